@@ -1,0 +1,55 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = ["nox>=2025.11.12", "GitPython>=3.1.40", "requests>=2.31", "tomli-w>=1.0", "psutil>=5.9"]
+# ///
+"""The rig's jobs, one session each; every session is a few lines over rig/."""
+
+import sys
+
+import nox
+
+nox.needs_version = ">=2025.11.12"
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["tests", "lint"]
+
+# Sessions that do the rig's work run in this process, with the dependencies
+# of the script block above: no venv of their own, so a no-op run is fast.
+WORK = {"venv_backend": "none", "default": False}
+
+
+def _rig(session: nox.Session, command: str) -> None:
+    from rig import cli
+
+    code = getattr(cli, command)(session.posargs)
+    if code:
+        sys.exit(code)  # keep the rig's exit status (2: bad input) instead of nox's 1
+
+
+@nox.session(**WORK)
+def build(session: nox.Session) -> None:
+    """Build patched vLLM: every step, skipping current ones (./build.sh)."""
+    _rig(session, "build")
+
+
+@nox.session(**WORK)
+def tree(session: nox.Session) -> None:
+    """Make vllm/ = upstream tag + patches/ and check it (--accept records it)."""
+    _rig(session, "tree")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (pytest; extra arguments go to pytest)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Check the code with ruff."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+if __name__ == "__main__":
+    nox.main()

@@ -1,0 +1,1 @@
+"""The eight build steps and the pipeline that runs them."""

@@ -1,0 +1,15 @@
+"""The build steps in pipeline order."""
+
+from __future__ import annotations
+
+from rig.build.pipeline import (
+    ORDER,  # noqa: F401 - re-exported for the CLI
+    Step,
+)
+from rig.build.tools import ToolsStep
+from rig.build.tree import TreeStep
+
+
+def steps() -> list[Step]:
+    """Every implemented step, in pipeline order."""
+    return [ToolsStep(), TreeStep()]

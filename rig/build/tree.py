@@ -1,0 +1,321 @@
+"""Step 2, tree: ``vllm/`` = the upstream tag plus ``patches/``, checked.
+
+The series is applied by ``git am`` (no fuzz, no three-way merge) in a scratch
+worktree or scratch repository beside ``vllm/``; only a finished tree whose id
+matches series.toml is moved into ``vllm/``. A correct tree is left alone, so
+a re-run needs no network and no upstream at all.
+
+The tree record ``vllm/.git/rig-tree.toml`` says which source, base and series
+made the tree; with it a re-run is a few git plumbing calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tomli_w
+
+from rig import atomic, series, upstream
+from rig.build.pipeline import Context, Status, Step
+from rig.config import Settings
+from rig.console import say
+from rig.errors import BadInput, problem
+from rig.gitutil import Git
+
+RECORD = "rig-tree.toml"
+
+
+@dataclass
+class TreeRecord:
+    """What made the tree in ``vllm/``."""
+
+    source: str  # git | sdist
+    origin: str  # the git URL, or the sdist file name and sha256
+    tag: str
+    base: str  # the base commit
+    head: str  # the base plus the series
+    tree: str  # HEAD^{tree}
+    series: str  # digest of the patch files
+
+
+def read_record(vllm_dir: Path) -> TreeRecord | None:
+    try:
+        data = tomllib.loads((vllm_dir / ".git" / RECORD).read_text())
+        return TreeRecord(**{k: str(data[k]) for k in TreeRecord.__dataclass_fields__})
+    except (FileNotFoundError, NotADirectoryError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        return None
+
+
+def write_record(vllm_dir: Path, rec: TreeRecord) -> None:
+    atomic.write_text(vllm_dir / ".git" / RECORD, "# Written by the rig's tree step.\n" + tomli_w.dumps(asdict(rec)))
+
+
+def ops_obj(repo: Git, rev: str, paths: tuple[str, ...]) -> str:
+    """OPS_OBJ: a hash of the git object ids of the compiled inputs at ``rev``.
+
+    Only ``paths`` count, so a patch that touches nothing compiled leaves it
+    unchanged. An absent path counts as absent.
+    """
+    out = repo.run("ls-tree", "-z", "--full-tree", rev, "--", *paths)[1] if paths else ""
+    found = {}
+    for entry in out.split("\0"):
+        if entry:
+            meta, name = entry.split("\t", 1)
+            found[name] = meta
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(f"{p}\0{found.get(p.rstrip('/'), 'absent')}\n".encode())
+    return h.hexdigest()
+
+
+def local_edits(repo: Git, rec: TreeRecord | None) -> list[str]:
+    """Files in ``vllm/`` that differ from what the rig put there."""
+    edits = [f"{f} (uncommitted)" for f in repo.tracked_changes()]
+    head = repo.rev("HEAD")
+    if rec is None:
+        return edits + ["(no tree record: vllm/ was not made by the rig)"]
+    if head != rec.head:
+        if repo.rev(rec.head) is None:
+            return edits + [f"(HEAD {head} is not the rig's commit {rec.head})"]
+        changed = repo.out("diff", "--name-only", rec.head, "HEAD").splitlines()
+        edits += [f"{f} (committed on top of the series)" for f in changed] or [f"(HEAD moved to {head})"]
+    return edits
+
+
+@dataclass
+class Built:
+    """A tree built in scratch, not yet moved into ``vllm/``."""
+
+    scratch: Path
+    repo: Git
+    source: str
+    origin: str
+    base: str
+    head: str
+    tree: str
+    worktree_of: Git | None  # the vllm/ repository when scratch is a worktree of it
+
+
+class TreeStep(Step):
+    name = "tree"
+    summary = "vllm/ = upstream tag + patches/, checked against series.toml"
+    facts = ("tree", "ops_obj", "base_ops_obj", "source", "head")
+
+    def check(self, ctx: Context) -> Status:
+        s = ctx.settings
+        sr = series.load(s.patches_dir)
+        files = series.patch_files(s.patches_dir)
+        if ctx.options.accept:
+            return Status(False, "--accept records the tree the series builds")
+        if s.fetch:
+            return Status(False, "FETCH=1 fetches the base again")
+        rec = read_record(s.vllm_dir) if s.vllm_dir.exists() else None
+        if rec is None:
+            return Status(False, f"{s.vllm_dir} does not exist yet" if not s.vllm_dir.exists()
+                          else f"{s.vllm_dir} has no tree record")
+        if s.source not in ("auto", rec.source):
+            return Status(False, f"VLLM_SOURCE={s.source}, the tree was made from the {rec.source}")
+        if rec.series != series.digest(files):
+            return Status(False, "the series in patches/ changed")
+        repo = Git(s.vllm_dir)
+        if repo.rev("HEAD") != rec.head or repo.tracked_changes():
+            return Status(False, "vllm/ differs from the commit the rig made")
+        exp = sr.expected_for(rec.source)
+        if exp.tree != rec.tree:
+            return Status(False, f"series.toml expects tree {exp.tree}, vllm/ has {rec.tree}")
+        return Status(True, f"tree {rec.tree} matches series.toml (verified {exp.verified})",
+                      _outputs(repo, rec, sr))
+
+    def run(self, ctx: Context) -> dict:
+        s = ctx.settings
+        sr = series.load(s.patches_dir)
+        files = series.patch_files(s.patches_dir)
+        if not shutil.which("git"):
+            raise BadInput(problem("git", "on PATH", "not found", "apt-get install -y git"))
+        repo = Git(s.vllm_dir)
+        rec = None
+        if s.vllm_dir.is_dir() and not any(s.vllm_dir.iterdir()):
+            s.vllm_dir.rmdir()  # an empty folder holds nothing to lose
+        if s.vllm_dir.exists():
+            if not repo.is_repo():
+                raise BadInput(problem(f"{s.vllm_dir}", "a git repository made by the rig (or no folder)",
+                                       "a folder that is not its own git repository",
+                                       f"move it away (mv {s.vllm_dir} {s.vllm_dir}.old) and run again"))
+            rec = read_record(s.vllm_dir)
+            edits = local_edits(repo, rec)
+            if edits:
+                shown = "; ".join(edits[:20]) + (f"; and {len(edits) - 20} more" if len(edits) > 20 else "")
+                raise BadInput(problem(
+                    f"{s.vllm_dir}", "no local edits, since the series would change the tree",
+                    f"{len(edits)} change(s): {shown}",
+                    "export your commits as patches (git -C vllm format-patch), or discard them "
+                    + (f"(git -C vllm reset --hard {rec.head})" if rec else "(move vllm/ away)")
+                    + "; nothing was touched"))
+        _clean_stale(s.vllm_dir, repo if rec else None)
+        built = _build(s, sr, files, repo, rec)
+        try:
+            exp = sr.expected.get(built.source)
+            if ctx.options.accept:
+                old = exp.tree if exp else "none"
+                sr.accept(built.source, built.tree)
+                say(f"accepted: [expected.{built.source}] tree = {built.tree} (was {old}), verified today")
+            elif exp is None:
+                raise BadInput(problem(
+                    f"{sr.path}", f"an [expected.{built.source}] table", f"none; the series built tree {built.tree}",
+                    "if that tree is right, record it: ./build.sh --only tree --accept "
+                    "(or nox -s tree -- --accept)"))
+            elif exp.tree != built.tree:
+                raise BadInput(
+                    f"tree mismatch for source {built.source}:\n"
+                    f"      expected {exp.tree} (series.toml [expected.{built.source}], verified {exp.verified})\n"
+                    f"      built    {built.tree} (base {built.base[:12]} + {len(files)} patch(es))\n"
+                    f"      {s.vllm_dir} was left as it was.\n"
+                    "      Fix: if the new series is what you want (you added or changed a patch), accept the\n"
+                    "      built tree: ./build.sh --only tree --accept (or nox -s tree -- --accept)")
+            new = TreeRecord(built.source, built.origin, sr.tag, built.base, built.head, built.tree,
+                             series.digest(files))
+            final = _land(s.vllm_dir, built, sr.tag)
+        finally:
+            _drop_scratch(built)
+        write_record(s.vllm_dir, new)
+        say(f"{s.vllm_dir} = {sr.tag} ({built.source}) + {len(files)} patch(es): tree {built.tree}")
+        return _outputs(final, new, sr)
+
+
+def _outputs(repo: Git, rec: TreeRecord, sr: series.Series) -> dict:
+    return {
+        "tree": rec.tree, "head": rec.head, "base": rec.base, "source": rec.source,
+        "ops_obj": ops_obj(repo, rec.head, sr.ops_paths),
+        "base_ops_obj": ops_obj(repo, rec.base, sr.ops_paths),
+    }
+
+
+def _scratch_path(vllm_dir: Path) -> Path:
+    return vllm_dir.parent / f".{vllm_dir.name}.scratch-{os.getpid()}"
+
+
+def _clean_stale(vllm_dir: Path, repo: Git | None) -> None:
+    """Remove scratch folders left by an interrupted run (the lock says none runs)."""
+    for p in vllm_dir.parent.glob(f".{vllm_dir.name}.scratch-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    if repo is not None:
+        repo.run("worktree", "prune", check=False)
+
+
+def _build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: TreeRecord | None) -> Built:
+    """The base plus the series, in scratch; vllm/ is not touched."""
+    scratch = _scratch_path(s.vllm_dir)
+    reuse = rec is not None and not s.fetch and s.source in ("auto", rec.source) and repo.rev(rec.base)
+    if reuse:
+        say(f"base: {rec.tag} from the {rec.source} ({rec.base[:12]}), already in {s.vllm_dir}")
+        repo.run("worktree", "add", "--quiet", "--detach", str(scratch), rec.base)
+        built = Built(scratch, Git(scratch), rec.source, rec.origin, rec.base, "", "", repo)
+    else:
+        built = _fresh_base(s, sr, scratch)
+    try:
+        _apply(built.repo, files, s.patches_dir)
+        built.head = built.repo.rev("HEAD") or ""
+        built.tree = built.repo.rev("HEAD^{tree}") or ""
+    except BaseException:
+        _drop_scratch(built)
+        raise
+    return built
+
+
+def _fresh_base(s: Settings, sr: series.Series, scratch: Path) -> Built:
+    url = s.upstream_url or sr.git_url or upstream.DEFAULT_GIT_URL
+    source = s.source
+    if source == "auto":
+        ok, why = upstream.git_reachable(url, sr.tag)
+        source = "git" if ok else "sdist"
+        if not ok:
+            say(f"git source {url} unreachable ({why}); falling back to the PyPI sdist")
+    elif source == "git":
+        ok, why = upstream.git_reachable(url, sr.tag)
+        if not ok:
+            raise BadInput(problem(f"the git source {url}", f"a repository with tag {sr.tag}", why,
+                                   "set VLLM_UPSTREAM_URL to a reachable mirror, or VLLM_SOURCE=sdist"))
+    repo = upstream.new_repo(scratch)
+    try:
+        if source == "git":
+            base = upstream.base_from_git(repo, url, sr.tag)
+            repo.run("checkout", "--quiet", "-B", "rig", base)
+            origin = url
+        else:
+            sdist = upstream.fetch_sdist(s.cache, s.index_url, sr.version, sr.sdist_sha256)
+            base = upstream.base_from_sdist(repo, sdist, sr.version, sr.tag)
+            origin = f"{sdist.name} sha256:{upstream.sha256_of(sdist)}"
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return Built(scratch, repo, source, origin, base, "", "", None)
+
+
+def _apply(repo: Git, files: list[Path], patches_dir: Path) -> None:
+    """``git am`` the series with no fuzz; on failure name the patch and its hunks."""
+    if not files:
+        return
+    status, _, err = repo.run("am", "--quiet", "--no-3way", "--keep-non-patch", "--committer-date-is-author-date",
+                              *map(str, files), check=False)
+    if status == 0:
+        return
+    applying = repo.git_path("rebase-apply")
+    try:
+        n = int((applying / "next").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        n = 0
+    bad = files[n - 1] if 1 <= n <= len(files) else None
+    details = _why_not(repo, bad) if bad else [ln for ln in err.splitlines() if ln.startswith("error:")]
+    repo.run("am", "--abort", check=False)
+    after = f"after {files[n - 2].name}" if n >= 2 else "on the base"
+    raise BadInput(problem(
+        f"patch {bad or 'in the series'}", f"to apply {after} with no fuzz",
+        "; ".join(details) or err.strip(),
+        "rebase the patch onto the series and re-export it with git format-patch; vllm/ was not touched"))
+
+
+def _why_not(repo: Git, patch: Path) -> list[str]:
+    """Per-file reasons a patch does not apply, from ``git apply --check -v``."""
+    _, out, err = repo.run("apply", "--check", "-v", str(patch), check=False)
+    reasons = []
+    for line in (out + "\n" + err).splitlines():
+        m = re.match(r"^error: patch failed: (.+):(\d+)$", line)
+        if m:
+            reasons.append(f"{m[1]}: hunk at line {m[2]} does not match")
+            continue
+        m = re.match(r"^error: (.+?): (does not exist in index|No such file or directory|already exists in "
+                     r"(?:index|working directory)|does not match index|wrong type)$", line)
+        if m:
+            reasons.append(f"{m[1]}: {m[2]}")
+    return reasons
+
+
+def _land(vllm_dir: Path, built: Built, tag: str) -> Git:
+    """Move a finished tree into ``vllm/``: a rename, or a hard reset of its branch."""
+    if built.worktree_of is None and not vllm_dir.exists():
+        os.rename(built.scratch, vllm_dir)
+        built.scratch = Path()
+        return Git(vllm_dir)
+    repo = built.worktree_of or Git(vllm_dir)
+    if built.worktree_of is None:
+        repo.run("fetch", "--quiet", "--no-tags", str(built.scratch),
+                 "+HEAD:refs/rig/landing", f"+refs/tags/{tag}:refs/tags/{tag}")
+    repo.run("reset", "--quiet", "--hard", built.head)
+    repo.run("update-ref", "-d", "refs/rig/landing", check=False)
+    return repo
+
+
+def _drop_scratch(built: Built) -> None:
+    if built.scratch == Path() or not built.scratch.exists():
+        return
+    if built.worktree_of is not None:
+        built.worktree_of.run("worktree", "remove", "--force", str(built.scratch), check=False)
+    shutil.rmtree(built.scratch, ignore_errors=True)
+    if built.worktree_of is not None:
+        built.worktree_of.run("worktree", "prune", check=False)

@@ -1,0 +1,92 @@
+"""Command-line entry points behind the nox sessions (and so the wrappers)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from rig import config
+from rig.build import pipeline
+from rig.build.steps import ORDER, steps
+from rig.console import error
+from rig.errors import RigError
+
+
+def _epilog() -> str:
+    lines = ["steps:"]
+    have = {st.name: st for st in steps()}
+    for n, name in enumerate(ORDER, 1):
+        st = have.get(name)
+        lines.append(f"  {n}. {name:10} {st.summary if st else '(not in this version of the rig yet)'}")
+    lines.append("")
+    lines.append("variables (from the environment):")
+    for v in config.VARS:
+        lines.append(f"  {v.name:18} default {v.default.replace('`', '')}: {v.meaning.replace('`', '')}")
+    return "\n".join(lines)
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=_epilog(),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _steps_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def build(argv: Sequence[str]) -> int:
+    """``./build.sh``: every step, or the ones ``--only`` names."""
+    p = _parser("build.sh", "Build patched vLLM: run the build steps, skipping the current ones.")
+    p.add_argument("--only", type=_steps_list, metavar="STEP[,STEP]",
+                   help="run only these steps; the steps they need are checked, not re-run")
+    p.add_argument("--force", action="store_true", help="run the steps even when they are current")
+    p.add_argument("--accept", action="store_true",
+                   help="tree step: record the tree the series builds as the expected one in series.toml")
+    p.add_argument("--verify", action="store_true", help="re-hash the build products instead of the fast check")
+    p.add_argument("--no-pack", action="store_true", help="skip step 8, the kernel pack (PACK=0)")
+    a = p.parse_args(argv)
+    return _guard(lambda: _run(a.only, a.force, a.accept, a.verify, not a.no_pack, "build"))
+
+
+def tree(argv: Sequence[str]) -> int:
+    """``nox -s tree``: step 2 alone."""
+    p = _parser("nox -s tree --", "Step 2 alone: make vllm/ = upstream tag + patches/, checked.")
+    p.add_argument("--accept", action="store_true",
+                   help="record the tree the series builds as the expected one in series.toml")
+    p.add_argument("--force", action="store_true", help="re-apply the series even when the tree is current")
+    a = p.parse_args(argv)
+    return _guard(lambda: _run(["tree"], a.force, a.accept, False, True, "tree"))
+
+
+def _run(only, force, accept, verify, pack, what) -> int:
+    s = config.settings()
+    opts = pipeline.Options(force=force, accept=accept, verify=verify, pack=pack and s.pack)
+    with pipeline.BuildLock(s, what):
+        pipeline.run(steps(), s, opts, only)
+    return 0
+
+
+def _guard(fn: Callable[[], int]) -> int:
+    try:
+        return fn()
+    except RigError as exc:
+        error(exc.message)
+        return exc.code
+    except KeyboardInterrupt:
+        error("interrupted; nothing half-done is trusted by the next run")
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m rig.cli COMMAND [ARGS]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"build": build, "tree": tree}
+    if not argv or argv[0] not in commands:
+        print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(commands[argv[0]](argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Every variable the rig reads, with its default and meaning, in one place.
+
+The README's variables table is checked against :data:`VARS` by a test, so
+the two cannot drift apart. Code reads values through :func:`settings`, never
+through ``os.environ`` directly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rig import REPO_ROOT
+from rig.errors import BadInput, problem
+
+
+@dataclass(frozen=True)
+class Var:
+    """One variable: its name, the default as the README shows it, its meaning."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+VARS: tuple[Var, ...] = (
+    Var("MAX_JOBS", "32", "Compile jobs for the kernels. Lower it when the compile runs out of RAM."),
+    Var("ARCH", "8.6", "GPU architectures to compile for (`TORCH_CUDA_ARCH_LIST`); 8.6 is Ampere."),
+    Var("UV", "unset", "Unset: use `uv` from PATH for the venv; `0`: refuse uv; a path: use that uv."),
+    Var("FETCH", "0", "`1` fetches the upstream base again and re-applies the series."),
+    Var("PACK", "1", "`0` skips step 8, the kernel pack (same as `--no-pack`)."),
+    Var("CCACHE_DIR", "ccache's own", "Where ccache keeps compiled objects."),
+    Var("VLLM_UPSTREAM_URL", "`[upstream].git` of series.toml",
+        "Git URL or local path of upstream vLLM (a mirror works)."),
+    Var("VLLM_SOURCE", "auto", "Where the base comes from: `auto` (git, else the PyPI sdist), `git`, or `sdist`."),
+    Var("INDEX_URL", "https://pypi.org/simple", "Package index whose simple API serves the vLLM sdist."),
+    Var("RIG_CACHE", "~/.cache/vllm-rig", "Downloads kept between runs (the vLLM sdist)."),
+    Var("PATCHES_DIR", "patches", "The series: `NNNN-name.patch` files and `series.toml`."),
+    Var("VLLM_DIR", "vllm", "The serving tree: the upstream base plus the series, a git repository."),
+    Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI."),
+)
+
+VAR_NAMES = frozenset(v.name for v in VARS)
+SOURCES = ("auto", "git", "sdist")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The variables of :data:`VARS`, parsed and checked."""
+
+    root: Path
+    max_jobs: int
+    arch: str
+    uv: str | None  # None: from PATH; "0": refused; else a path
+    fetch: bool
+    pack: bool
+    ccache_dir: str | None
+    upstream_url: str | None  # None: series.toml's [upstream].git
+    source: str
+    index_url: str
+    cache: Path
+    patches_dir: Path
+    vllm_dir: Path
+    state_dir: Path
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return default
+    if raw in ("0", "1"):
+        return raw == "1"
+    raise BadInput(problem(name, "0 or 1", repr(raw), f"set {name}=0 or {name}=1, or unset it"))
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise BadInput(problem(name, "a whole number >= 1", repr(raw), f"set {name}={default} or unset it"))
+    return int(raw)
+
+
+def _path(env: Mapping[str, str], name: str, default: Path, root: Path) -> Path:
+    raw = env.get(name, "").strip()
+    path = Path(raw).expanduser() if raw else default
+    return path if path.is_absolute() else root / path
+
+
+def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Settings:
+    """Read every variable from ``env`` (default: the process environment)."""
+    env = os.environ if env is None else env
+    root = REPO_ROOT if root is None else Path(root)
+    source = env.get("VLLM_SOURCE", "").strip() or "auto"
+    if source not in SOURCES:
+        raise BadInput(problem("VLLM_SOURCE", " or ".join(SOURCES), repr(source), "set VLLM_SOURCE=auto, git or sdist"))
+    uv = env.get("UV", "").strip() or None
+    return Settings(
+        root=root,
+        max_jobs=_int(env, "MAX_JOBS", 32),
+        arch=env.get("ARCH", "").strip() or "8.6",
+        uv=uv,
+        fetch=_flag(env, "FETCH", False),
+        pack=_flag(env, "PACK", True),
+        ccache_dir=env.get("CCACHE_DIR", "").strip() or None,
+        upstream_url=env.get("VLLM_UPSTREAM_URL", "").strip() or None,
+        source=source,
+        index_url=(env.get("INDEX_URL", "").strip() or "https://pypi.org/simple").rstrip("/"),
+        cache=_path(env, "RIG_CACHE", Path.home() / ".cache" / "vllm-rig", root),
+        patches_dir=_path(env, "PATCHES_DIR", Path("patches"), root),
+        vllm_dir=_path(env, "VLLM_DIR", Path("vllm"), root),
+        state_dir=_path(env, "RIG_STATE", Path(".rig"), root),
+    )
+
+
+def markdown_table() -> str:
+    """The README's variables table, as this module defines it."""
+    lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{v.name}` | {v.default} | {v.meaning} |" for v in VARS]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,85 @@
+"""git through GitPython, isolated from the user's own git configuration.
+
+Commits the rig makes carry a fixed identity (so a box with no ``user.name``
+works) and options that could change how a patch applies are pinned.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Without git on PATH GitPython would refuse to import; the tools step then
+# reports the missing git itself, with the command that installs it.
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+import git  # noqa: E402
+
+from rig.errors import WorkFailed  # noqa: E402
+
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "vllm-rig",
+    "GIT_AUTHOR_EMAIL": "vllm-rig@localhost",
+    "GIT_COMMITTER_NAME": "vllm-rig",
+    "GIT_COMMITTER_EMAIL": "vllm-rig@localhost",
+}
+# Options that would make `git am` fuzzier or change the bytes it writes.
+PINNED = (
+    "-c", "core.autocrlf=false",
+    "-c", "am.threeWay=false",
+    "-c", "am.keepcr=false",
+    "-c", "commit.gpgSign=false",
+    "-c", "tag.gpgSign=false",
+    "-c", "core.hooksPath=/dev/null",
+    "-c", "advice.detachedHead=false",
+    "-c", "init.defaultBranch=rig",
+    "-c", "gc.auto=0",
+)
+
+
+class Git:
+    """Run git in one repository (or folder) and return its output."""
+
+    def __init__(self, path: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self._git = git.Git(str(self.path))
+        self._env = {**IDENTITY, "GIT_TERMINAL_PROMPT": "0", **(extra_env or {})}
+
+    def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
+            timeout: float | None = None) -> tuple[int, str, str]:
+        """Run ``git ARGS``; return (status, stdout, stderr); raise on failure if ``check``."""
+        cmd = ["git", *PINNED, *args]
+        status, out, err = self._git.execute(
+            cmd, with_extended_output=True, with_exceptions=False,
+            env={**self._env, **(env or {})}, kill_after_timeout=timeout,
+            strip_newline_in_stdout=False,
+        )
+        if check and status != 0:
+            raise WorkFailed(f"git {' '.join(args)} failed in {self.path} (exit {status}): {err.strip()}")
+        return status, out, err
+
+    def out(self, *args: str, **kw) -> str:
+        """Run ``git ARGS`` and return its stdout, stripped."""
+        return self.run(*args, **kw)[1].strip()
+
+    def rev(self, ref: str) -> str | None:
+        """The object id ``ref`` names, or None."""
+        status, out, _ = self.run("rev-parse", "--verify", "--quiet", ref, check=False)
+        return out.strip() if status == 0 else None
+
+    def is_repo(self) -> bool:
+        """Whether ``path`` is the top of a git work tree of its own."""
+        if not (self.path / ".git").exists():
+            return False
+        status, out, _ = self.run("rev-parse", "--show-toplevel", check=False)
+        return status == 0 and Path(out.strip()).resolve() == self.path.resolve()
+
+    def tracked_changes(self) -> list[str]:
+        """Tracked files that differ from HEAD (untracked build products do not count)."""
+        out = self.run("status", "--porcelain=v1", "--untracked-files=no", "-z")[1]
+        return [entry[3:] for entry in out.split("\0") if entry]
+
+    def git_path(self, name: str) -> Path:
+        """A path inside this work tree's git dir (worktree-aware)."""
+        rel = self.out("rev-parse", "--git-path", name)
+        return (self.path / rel) if not os.path.isabs(rel) else Path(rel)

@@ -1,0 +1,178 @@
+"""The upstream base: vLLM's tag, from its git repository or from its PyPI sdist.
+
+Both put one tagged base commit into a fresh git repository. The sdist base
+is a different tree from the git tag (the sdist drops ``.github/`` and adds
+``PKG-INFO``), so each source has its own expected tree in series.toml.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import requests
+
+from rig import atomic
+from rig.console import INDENT, say
+from rig.errors import BadInput, WorkFailed, problem
+from rig.gitutil import Git
+
+DEFAULT_GIT_URL = "https://github.com/vllm-project/vllm.git"
+# Fixed dates make the sdist base commit the same object on every machine.
+FIXED_DATE = "2000-01-01T00:00:00+0000"
+# A git fetch that moves less than 1 KB/s for a minute is given up.
+LOW_SPEED = {"GIT_HTTP_LOW_SPEED_LIMIT": "1000", "GIT_HTTP_LOW_SPEED_TIME": "60"}
+
+
+def git_url_of(url: str) -> str:
+    """A plain local path becomes a file:// URL so a shallow fetch works on it."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", url) or re.match(r"^[^/]+@[^/]+:", url):
+        return url
+    return Path(url).expanduser().resolve().as_uri()
+
+
+def git_reachable(url: str, tag: str) -> tuple[bool, str]:
+    """Whether ``url`` answers and has ``tag``; the reason when not."""
+    status, out, err = Git(Path.cwd()).run(
+        "ls-remote", "--tags", git_url_of(url), f"refs/tags/{tag}", check=False, env=LOW_SPEED, timeout=120)
+    if status != 0:
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        return False, lines[-1] if lines else f"git ls-remote exit {status}"
+    if not out.strip():
+        return False, f"no tag {tag} there"
+    return True, ""
+
+
+def base_from_git(repo: Git, url: str, tag: str) -> str:
+    """Fetch only ``tag`` from ``url`` into ``repo``; return the base commit."""
+    say(f"fetching tag {tag} from {url}")
+    repo.run("fetch", "--quiet", "--depth=1", "--no-tags", git_url_of(url),
+             f"+refs/tags/{tag}:refs/tags/{tag}", env=LOW_SPEED)
+    commit = repo.rev(f"refs/tags/{tag}^{{commit}}")
+    assert commit
+    return commit
+
+
+def sdist_name(version: str) -> str:
+    return f"vllm-{version}.tar.gz"
+
+
+def sdist_link(index_url: str, version: str) -> tuple[str, str]:
+    """The sdist's URL and sha256 from the index's simple API (PEP 691 JSON)."""
+    url = f"{index_url}/vllm/"
+    try:
+        r = requests.get(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60)
+        r.raise_for_status()
+        files = r.json()["files"]
+    except (requests.RequestException, ValueError, KeyError) as exc:
+        raise BadInput(problem(f"the vLLM sdist index {url}", "a PEP 691 simple index answering",
+                               f"{type(exc).__name__}: {exc}",
+                               "check the network, or set INDEX_URL to a reachable index")) from None
+    name = sdist_name(version)
+    for f in files:
+        if f.get("filename") == name:
+            sha = (f.get("hashes") or {}).get("sha256")
+            if not sha:
+                raise BadInput(problem(f"{name} at {url}", "a sha256 hash", "none",
+                                       "use an index that publishes hashes"))
+            return requests.compat.urljoin(url, f["url"]), sha
+    raise BadInput(problem(f"{url}", f"a file named {name}", "none listed",
+                           f"check [upstream].version, or set INDEX_URL to an index with vllm {version}"))
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_sdist(cache: Path, index_url: str, version: str, pinned_sha: str | None) -> Path:
+    """The sdist file, from the cache when its hash is right, else downloaded."""
+    link, sha = None, pinned_sha
+    path = Path(cache) / "sdist" / sdist_name(version)
+    if path.exists() and sha and sha256_of(path) == sha:
+        say(f"sdist: {path} (cached, sha256 ok)")
+        return path
+    link, index_sha = sdist_link(index_url, version)
+    if pinned_sha and index_sha != pinned_sha:
+        raise BadInput(problem(f"sha256 of {sdist_name(version)} at {index_url}",
+                               f"{pinned_sha} (series.toml [upstream].sdist_sha256)", index_sha,
+                               "use the official index, or update sdist_sha256 after checking the file"))
+    sha = index_sha
+    if path.exists() and sha256_of(path) == sha:
+        say(f"sdist: {path} (cached, sha256 ok)")
+        return path
+    _download(link, path)
+    found = sha256_of(path)
+    if found != sha:
+        bad = path.with_suffix(".bad")
+        os.replace(path, bad)
+        raise BadInput(problem(f"sha256 of the downloaded {path.name}", sha, found,
+                               f"the file was moved to {bad}; retry, or check INDEX_URL ({index_url})"))
+    return path
+
+
+def _download(url: str, dest: Path) -> None:
+    """Download with a progress line, to a temporary name renamed when complete."""
+    say(f"downloading {url}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with requests.get(url, stream=True, timeout=60) as r:
+            r.raise_for_status()
+            total = int(r.headers.get("content-length") or 0)
+            done, last = 0, 0.0
+            with atomic.atomic_open(dest, "wb") as fh:
+                for chunk in r.iter_content(1 << 20):
+                    fh.write(chunk)
+                    done += len(chunk)
+                    if time.monotonic() - last > 2 or done == total:
+                        last = time.monotonic()
+                        pct = f" ({100 * done // total}%)" if total else ""
+                        print(f"{INDENT}{done / 1e6:.1f} MB{pct}", file=sys.stderr, flush=True)
+    except requests.RequestException as exc:
+        raise WorkFailed(f"download of {url} failed: {exc}. Fix: check the network and run again "
+                         "(nothing partial was kept)") from None
+
+
+def base_from_sdist(repo: Git, sdist: Path, version: str, tag: str) -> str:
+    """Unpack ``sdist`` into ``repo`` as one commit tagged ``tag``; return it."""
+    say(f"unpacking {sdist.name} into a base commit")
+    top = f"vllm-{version}/"
+    with tarfile.open(sdist, "r:gz") as tf:
+        members = []
+        for m in tf.getmembers():
+            if m.name.rstrip("/") + "/" == top:
+                continue
+            if not m.name.startswith(top):
+                raise BadInput(problem(f"{sdist}: member {m.name!r}", f"a name under {top}", m.name,
+                                       "the file is not vLLM's sdist: delete it and run again"))
+            members.append(m.replace(name=m.name[len(top):], deep=False))
+        tf.extractall(repo.path, members=members, filter="data")
+    repo.run("add", "--all", "--force", ".")
+    dates = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
+    repo.run("commit", "--quiet", "--no-verify", "-m",
+             f"vLLM {version} from the PyPI sdist\n\n{sdist.name} sha256 {sha256_of(sdist)}", env=dates)
+    repo.run("tag", "--force", tag)
+    commit = repo.rev("HEAD")
+    assert commit
+    return commit
+
+
+def new_repo(path: Path) -> Git:
+    """A fresh, empty git repository at ``path``."""
+    path.mkdir(parents=True)
+    repo = Git(path)
+    repo.run("init", "--quiet")
+    return repo
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

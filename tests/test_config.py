@@ -1,0 +1,66 @@
+"""rig/config.py: the one list of variables, and the README table that must match it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import ROOT, run_rig
+
+from rig import config
+from rig.errors import BadInput
+
+
+def readme_rows() -> list[tuple[str, str, str]]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("| Variable | Default | Meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in block.strip().splitlines()[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        rows.append((cells[0].strip("`"), cells[1], cells[2]))
+    return rows
+
+
+def test_readme_table_matches_config():
+    assert readme_rows() == [(v.name, v.default, v.meaning) for v in config.VARS]
+
+
+def test_defaults_are_what_the_table_says():
+    s = config.settings({})
+    by = {v.name: v.default for v in config.VARS}
+    assert str(s.max_jobs) == by["MAX_JOBS"] and s.arch == by["ARCH"]
+    assert s.fetch is False and by["FETCH"] == "0" and s.pack is True and by["PACK"] == "1"
+    assert s.source == by["VLLM_SOURCE"] and s.index_url == by["INDEX_URL"]
+    assert s.patches_dir == ROOT / by["PATCHES_DIR"] and s.vllm_dir == ROOT / by["VLLM_DIR"]
+    assert s.state_dir == ROOT / by["RIG_STATE"]
+    assert s.uv is None and s.upstream_url is None
+
+
+@pytest.mark.parametrize("name,value,want", [
+    ("MAX_JOBS", "lots", "a whole number"), ("MAX_JOBS", "0", "a whole number"),
+    ("FETCH", "yes", "0 or 1"), ("PACK", "true", "0 or 1"), ("VLLM_SOURCE", "svn", "auto or git or sdist"),
+])
+def test_bad_values_name_the_variable(name, value, want):
+    with pytest.raises(BadInput) as e:
+        config.settings({name: value})
+    assert e.value.code == 2
+    assert name in e.value.message and repr(value) in e.value.message and want in e.value.message
+    assert "Fix:" in e.value.message
+
+
+def test_bad_value_exits_2_from_the_command_line():
+    import os
+    r = run_rig({**os.environ, "MAX_JOBS": "many"}, "build", "--only", "tree")
+    assert r.code == 2
+    assert re.search(r"MAX_JOBS: expected a whole number >= 1, found 'many'", r.err)
+
+
+def test_every_variable_the_code_reads_is_in_the_table():
+    names = set()
+    for path in (ROOT / "rig").rglob("*.py"):
+        names |= set(re.findall(r'"([A-Z][A-Z0-9_]+)"', path.read_text()))
+    read_by_config = {n for n in names if f'_int(env, "{n}"' in (ROOT / "rig/config.py").read_text()
+                      or f'env.get("{n}"' in (ROOT / "rig/config.py").read_text()
+                      or f'_flag(env, "{n}"' in (ROOT / "rig/config.py").read_text()
+                      or f'_path(env, "{n}"' in (ROOT / "rig/config.py").read_text()}
+    assert read_by_config == config.VAR_NAMES

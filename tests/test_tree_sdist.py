@@ -1,0 +1,174 @@
+"""Step 2 from a PyPI-style sdist, served by a local simple index (PEP 691 JSON)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import socket
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import UPSTREAM_FILES, git, run_rig
+
+NAME = "vllm-0.30.0.tar.gz"
+
+
+def make_sdist(path: Path) -> bytes:
+    """An sdist shaped like vLLM's: one top folder, PKG-INFO, the upstream files."""
+    files = {**UPSTREAM_FILES, "PKG-INFO": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n"}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for rel, text in sorted(files.items()):
+            data = text.encode()
+            info = tarfile.TarInfo(f"vllm-0.30.0/{rel}")
+            info.size, info.mode = len(data), 0o644
+            tf.addfile(info, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    return buf.getvalue()
+
+
+def tree_of_sdist(data: bytes, tmp: Path) -> str:
+    """The tree of the unpacked sdist as plain git computes it."""
+    d = tmp / "sdist-tree"
+    d.mkdir()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        tf.extractall(d, filter="data")
+    root = d / "vllm-0.30.0"
+    git(root, "init", "-q")
+    git(root, "add", "-A", "-f")
+    return git(root, "write-tree")
+
+
+class Index:
+    """A simple index on loopback serving one sdist with the sha256 it is told."""
+
+    def __init__(self, root: Path, data: bytes, listed_sha: str | None = None) -> None:
+        self.root = root
+        (root / "files").mkdir(parents=True)
+        (root / "files" / NAME).write_bytes(data)
+        self.sha = listed_sha or hashlib.sha256(data).hexdigest()
+        (root / "simple" / "vllm").mkdir(parents=True)
+        page = {"meta": {"api-version": "1.1"}, "name": "vllm",
+                "files": [{"filename": NAME, "url": f"../../files/{NAME}", "hashes": {"sha256": self.sha}}]}
+        (root / "simple" / "vllm" / "index.html").write_text(json.dumps(page))
+        handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
+        http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def sdist(tmp_path):
+    data = make_sdist(tmp_path / NAME)
+    idx = Index(tmp_path / "index", data)
+    yield data, idx
+    idx.stop()
+
+
+def sdist_env(rig_env, idx, tmp_path, source="sdist"):
+    return {**rig_env, "VLLM_SOURCE": source, "INDEX_URL": idx.url, "VLLM_UPSTREAM_URL": str(tmp_path / "gone")}
+
+
+def test_sdist_base_gives_the_tree_plain_git_gives(series, rig_env, sdist, tmp_path):
+    data, idx = sdist
+    expected = tree_of_sdist(data, tmp_path)
+    series.write_toml({"sdist": expected})
+    r = run_rig(sdist_env(rig_env, idx, tmp_path), "tree")
+    assert r.code == 0, r.text
+    assert r.fact("source") == "sdist" and r.fact("tree") == expected
+    vllm = tmp_path / "vllm"
+    assert git(vllm, "tag", "--list") == "v0.30.0"
+    assert (vllm / "PKG-INFO").exists()
+    assert (tmp_path / "cache" / "sdist" / NAME).read_bytes() == data
+
+
+def test_sdist_base_commit_is_the_same_on_every_run(series, rig_env, sdist, tmp_path):
+    data, idx = sdist
+    series.write_toml({"sdist": tree_of_sdist(data, tmp_path)})
+    env = sdist_env(rig_env, idx, tmp_path)
+    first = run_rig(env, "tree")
+    again = run_rig({**env, "FETCH": "1"}, "tree")
+    assert first.code == again.code == 0, again.text
+    assert first.fact("head") == again.fact("head")
+
+
+def test_auto_falls_back_to_the_sdist_and_says_so(series, rig_env, sdist, tmp_path):
+    data, idx = sdist
+    series.write_toml({"sdist": tree_of_sdist(data, tmp_path)})
+    r = run_rig(sdist_env(rig_env, idx, tmp_path, source="auto"), "tree")
+    assert r.code == 0, r.text
+    assert "unreachable" in r.out and "falling back to the PyPI sdist" in r.out
+    assert r.fact("source") == "sdist"
+
+
+def test_pinned_sha_lets_fetch_1_work_offline_from_the_cache(series, rig_env, sdist, tmp_path):
+    data, idx = sdist
+    series.write_toml({"sdist": tree_of_sdist(data, tmp_path)}, sdist_sha256=idx.sha)
+    env = sdist_env(rig_env, idx, tmp_path)
+    assert run_rig(env, "tree").code == 0
+    idx.stop()
+    r = run_rig({**env, "FETCH": "1"}, "tree")
+    assert r.code == 0, r.text
+    assert "cached, sha256 ok" in r.out
+
+
+def test_sdist_whose_sha_does_not_match_the_index(series, rig_env, tmp_path):
+    data = make_sdist(tmp_path / NAME)
+    idx = Index(tmp_path / "index", data, listed_sha="ab" * 32)
+    try:
+        series.write_toml({"sdist": "0" * 40})
+        r = run_rig(sdist_env(rig_env, idx, tmp_path), "tree")
+    finally:
+        idx.stop()
+    assert r.code == 2, r.text
+    assert "sha256" in r.err and "ab" * 32 in r.err and hashlib.sha256(data).hexdigest() in r.err
+    assert not (tmp_path / "cache" / "sdist" / NAME).exists()
+    assert not (tmp_path / "vllm").exists()
+
+
+def test_index_sha_differs_from_the_pinned_one(series, rig_env, sdist, tmp_path):
+    _, idx = sdist
+    series.write_toml({"sdist": "0" * 40}, sdist_sha256="cd" * 32)
+    r = run_rig(sdist_env(rig_env, idx, tmp_path), "tree")
+    assert r.code == 2
+    assert "cd" * 32 in r.err and idx.sha in r.err and "sdist_sha256" in r.err
+
+
+def test_git_unreachable_and_sdist_unavailable(series, rig_env, tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**rig_env, "VLLM_SOURCE": "auto", "VLLM_UPSTREAM_URL": str(tmp_path / "gone"),
+           "INDEX_URL": f"http://127.0.0.1:{port}/simple"}
+    r = run_rig(env, "tree")
+    assert r.code == 2, r.text
+    assert "unreachable" in r.out
+    assert f"127.0.0.1:{port}" in r.err and "INDEX_URL" in r.err
+    assert not (tmp_path / "vllm").exists()
+
+
+def test_sdist_with_a_member_outside_its_folder_is_refused(series, rig_env, tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name in ("vllm-0.30.0/README.md", "elsewhere/evil.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"x"))
+    idx = Index(tmp_path / "index", buf.getvalue())
+    try:
+        r = run_rig(sdist_env(rig_env, idx, tmp_path), "tree")
+    finally:
+        idx.stop()
+    assert r.code == 2
+    assert "elsewhere/evil.txt" in r.err
+    assert not (tmp_path / "vllm").exists()
+    assert not list(tmp_path.glob(".vllm.scratch-*"))

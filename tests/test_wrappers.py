@@ -1,0 +1,61 @@
+"""The thin edges: the shell wrappers and the noxfile hold no logic of their own."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tomllib
+
+from conftest import ROOT
+
+from rig import config
+from rig.build.pipeline import ORDER
+
+WRAPPERS = ["build.sh", "scripts/nox.sh"]
+
+
+def test_wrappers_are_thin():
+    for w in WRAPPERS:
+        lines = (ROOT / w).read_text().splitlines()
+        assert len(lines) <= 20, w
+        assert os.access(ROOT / w, os.X_OK), w
+
+
+def test_build_help_from_another_directory_lists_steps_and_variables(tmp_path):
+    r = subprocess.run([str(ROOT / "build.sh"), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    for n, name in enumerate(ORDER, 1):
+        assert re.search(rf"^\s+{n}\. {name}\b", r.stdout, re.M), name
+    for v in config.VARS:
+        assert v.name in r.stdout
+
+
+def test_wrapper_passes_the_exit_code_through(tmp_path):
+    env = {**os.environ, "PATCHES_DIR": str(tmp_path / "no-patches"), "RIG_STATE": str(tmp_path / "state")}
+    r = subprocess.run([str(ROOT / "build.sh"), "--only", "tree"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "series.toml" in r.stderr
+
+
+def test_noxfile_script_block_carries_the_project_dependencies():
+    text = (ROOT / "noxfile.py").read_text()
+    block = re.search(r"^# /// script\n(.*?)^# ///$", text, re.S | re.M)[1]
+    meta = tomllib.loads("\n".join(line[2:] for line in block.splitlines()))
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(meta["dependencies"]) == sorted(deps + [d for d in meta["dependencies"] if d.startswith("nox")])
+    floor = re.search(r'"nox>=([\d.]+)"', block)[1]
+    assert f'nox.needs_version = ">={floor}"' in text
+
+
+def test_every_session_has_a_one_line_docstring():
+    import ast
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    sessions = [f for f in tree.body if isinstance(f, ast.FunctionDef)
+                and any("session" in ast.unparse(d) for d in f.decorator_list)]
+    assert {f.name for f in sessions} >= {"build", "tree", "tests", "lint"}
+    for f in sessions:
+        doc = ast.get_docstring(f)
+        assert doc and "\n" not in doc, f.name
