@@ -37,6 +37,12 @@ def tree(session: nox.Session) -> None:
     _rig(session, "tree")
 
 
+@nox.session(**WORK)
+def lock(session: nox.Session) -> None:
+    """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
+    _rig(session, "lock")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest; extra arguments go to pytest)."""

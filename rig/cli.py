@@ -59,6 +59,23 @@ def tree(argv: Sequence[str]) -> int:
     return _guard(lambda: _run(["tree"], a.force, a.accept, False, True, "tree"))
 
 
+def lock(argv: Sequence[str]) -> int:
+    """``nox -s lock``: regenerate the hash-pinned runtime lock."""
+    p = argparse.ArgumentParser(prog="nox -s lock --", description="Regenerate RUNTIME_LOCK with uv pip compile "
+                                "--generate-hashes from the official wheel's requirements (needs the network).")
+    p.parse_args(argv)
+
+    def go() -> int:
+        from rig import series
+        from rig.build import runtime
+
+        s = config.settings()
+        runtime.lock_main(s, series.load(s.patches_dir).version)
+        return 0
+
+    return _guard(go)
+
+
 def _run(only, force, accept, verify, pack, what) -> int:
     s = config.settings()
     opts = pipeline.Options(force=force, accept=accept, verify=verify, pack=pack and s.pack)
@@ -81,7 +98,7 @@ def _guard(fn: Callable[[], int]) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m rig.cli COMMAND [ARGS]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"build": build, "tree": tree}
+    commands = {"build": build, "tree": tree, "lock": lock}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
         raise SystemExit(2)

@@ -39,6 +39,13 @@ VARS: tuple[Var, ...] = (
     Var("RIG_CACHE", "~/.cache/vllm-rig", "Downloads kept between runs (the vLLM sdist)."),
     Var("PATCHES_DIR", "patches", "The series: `NNNN-name.patch` files and `series.toml`."),
     Var("VLLM_DIR", "vllm", "The serving tree: the upstream base plus the series, a git repository."),
+    Var("PYTHON", "unset", "The CPython 3.13 for the venv; unset: `UV_PYTHON`, uv's discovery, then pyenv's versions."),
+    Var("UV_PYTHON", "unset", "uv's own choice of Python, read the same way as `PYTHON` (which wins)."),
+    Var("VENV_DIR", ".venv", "The serving venv (CPython 3.13) that vLLM is installed into."),
+    Var("RUNTIME_LOCK", "scripts/runtime.lock",
+        "The hash-pinned runtime and build requirements (`nox -s lock` writes it)."),
+    Var("CUDA_HOME", "unset",
+        "A system CUDA toolkit to use; unset: the NVIDIA wheels in the venv, then /usr/local/cuda."),
     Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI."),
 )
 
@@ -64,6 +71,10 @@ class Settings:
     patches_dir: Path
     vllm_dir: Path
     state_dir: Path
+    python: str | None  # PYTHON, else UV_PYTHON
+    venv_dir: Path
+    runtime_lock: Path
+    cuda_home: Path | None
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -113,6 +124,10 @@ def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> 
         patches_dir=_path(env, "PATCHES_DIR", Path("patches"), root),
         vllm_dir=_path(env, "VLLM_DIR", Path("vllm"), root),
         state_dir=_path(env, "RIG_STATE", Path(".rig"), root),
+        python=env.get("PYTHON", "").strip() or env.get("UV_PYTHON", "").strip() or None,
+        venv_dir=_path(env, "VENV_DIR", Path(".venv"), root),
+        runtime_lock=_path(env, "RUNTIME_LOCK", Path("scripts/runtime.lock"), root),
+        cuda_home=Path(env["CUDA_HOME"].strip()) if env.get("CUDA_HOME", "").strip() else None,
     )
 
 

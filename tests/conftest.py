@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rig.series import HEADER  # noqa: E402
+
+# The wrapper puts uv's folder on PATH; do the same when pytest is started by hand.
+if not shutil.which("uv"):
+    for _cand in (Path(sys.executable).parent, Path.home() / ".local" / "bin"):
+        if (_cand / "uv").exists():
+            os.environ["PATH"] = f"{_cand}{os.pathsep}{os.environ['PATH']}"
+            break
 
 IDENT = {
     "GIT_AUTHOR_NAME": "Test Author", "GIT_AUTHOR_EMAIL": "author@example.invalid",
@@ -154,3 +162,14 @@ def run_rig(env: dict[str, str], *args: str, timeout: float = 600) -> Result:
     r = subprocess.run([sys.executable, "-m", "rig.cli", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     return Result(r.returncode, r.stdout, r.stderr)
+
+
+@pytest.fixture(scope="session")
+def tools_state(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """One run of the real tools step (cmake >= 3.26 and ninja from PyPI when the system's are old)."""
+    state = tmp_path_factory.mktemp("tools-state")
+    env = {**os.environ, "RIG_STATE": str(state)}
+    env.pop("UV", None)
+    r = run_rig(env, "build", "--only", "tools")
+    assert r.code == 0, r.text
+    return state, {"cmake": r.fact("cmake"), "ninja": r.fact("ninja"), "out": r.out, "err": r.err}

@@ -8,15 +8,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_rig
+from conftest import Result, run_rig
 
 
 @pytest.fixture(scope="module")
-def tools_run(tmp_path_factory):
-    state = tmp_path_factory.mktemp("state")
+def tools_run(tools_state):
+    state, facts = tools_state
     env = {**os.environ, "RIG_STATE": str(state)}
     env.pop("UV", None)
-    return run_rig(env, "build", "--only", "tools"), state, env
+    return Result(0, facts["out"], facts["err"]), state, env
 
 
 def test_tools_step_reports_and_finds_a_new_enough_cmake(tools_run):

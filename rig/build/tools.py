@@ -8,6 +8,7 @@ are optional; the step says what their absence costs.
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -56,12 +57,21 @@ def tools_dir(s: Settings) -> Path:
 
 
 def uv_path(s: Settings) -> str | None:
-    """The uv the rig uses: ``UV=/path``, else uv on PATH; None with ``UV=0``."""
+    """The uv the rig uses: ``UV=/path`` (checked to be a uv), else uv on PATH; None with ``UV=0``."""
     if s.uv == "0":
         return None
     if s.uv:
-        return s.uv
+        return _checked_uv(s.uv)
     return shutil.which("uv")
+
+
+@functools.cache
+def _checked_uv(path: str) -> str:
+    text = _probe("uv", shutil.which(path) or path).text
+    if not text.startswith("uv "):
+        raise BadInput(problem(f"UV={path}", "a uv executable (uv --version prints 'uv X.Y.Z')", repr(text),
+                               "point UV at a uv, unset it to use the one on PATH, or set UV=0"))
+    return shutil.which(path) or path
 
 
 def detect(s: Settings) -> dict[str, Tool]:
@@ -73,10 +83,7 @@ def detect(s: Settings) -> dict[str, Tool]:
         ok = sys_tool.version is not None and (n != "cmake" or sys_tool.version >= CMAKE_MIN)
         found[n] = sys_tool if ok or not (local / n).exists() else _probe(n, str(local / n))
     uv = uv_path(s)
-    found["uv"] = _probe("uv", uv) if uv else Tool("uv", None, None, "refused (UV=0)")
-    if s.uv and s.uv != "0" and not found["uv"].text.startswith("uv "):
-        raise BadInput(problem(f"UV={s.uv}", "a uv executable (uv --version prints 'uv X.Y.Z')",
-                               repr(found["uv"].text), "point UV at a uv, unset it to use the one on PATH, or UV=0"))
+    found["uv"] = _probe("uv", uv) if uv else Tool("uv", None, None, "refused (UV=0)" if s.uv else "not found")
     found["ccache"] = _probe("ccache", shutil.which("ccache"))
     found["cargo"] = _probe("cargo", shutil.which("cargo"))
     return found

@@ -1,0 +1,253 @@
+"""Step 4, runtime: the hash-pinned requirements, installed with hash checking.
+
+The lock (``scripts/runtime.lock``) pins every requirement of the official
+``vllm==0.30.0`` wheel, plus vLLM's build requirements, for CPython 3.13 on
+manylinux x86_64, each with ``==`` and its hashes. ``nox -s lock`` makes it
+with ``uv pip compile --generate-hashes``. The step is current when the
+venv's installed set holds every pin; a re-run needs no network.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from rig import atomic
+from rig.build.pipeline import Context, Status, Step
+from rig.build.tools import uv_path
+from rig.build.venv import WANT_TEXT, site_packages, venv_minor, venv_python
+from rig.config import Settings
+from rig.console import say
+from rig.errors import BadInput, WorkFailed, problem
+
+PLATFORM = "x86_64-manylinux_2_28"
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
+HASH = re.compile(r"--hash=(sha256:[0-9a-f]{64})")
+#: vLLM v0.30.0's [build-system].requires: needed in the venv to build with --no-build-isolation.
+BUILD_REQUIRES = ("cmake>=3.26.1", "ninja", "packaging>=24.2", "setuptools>=77.0.3,<81", "setuptools-scm>=8",
+                  "setuptools-rust>=1.9", "wheel", "jinja2")
+HEARTBEAT_S = 30.0
+
+
+def norm(name: str) -> str:
+    """PEP 503 normalised project name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass
+class Lock:
+    path: Path
+    python: str | None  # from the '# python: X.Y' header
+    pins: dict[str, tuple[str, tuple[str, ...]]]  # name -> (version, hashes)
+    sha256: str
+
+    def pin_digest(self, name: str) -> str:
+        version, hashes = self.pins[name]
+        return hashlib.sha256(f"{version} {' '.join(sorted(hashes))}".encode()).hexdigest()[:16]
+
+
+def read_lock(path: Path) -> Lock:
+    """Parse the lock: every requirement must be pinned with == and carry a hash."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise BadInput(problem(str(path), "the runtime lock", "no such file",
+                               "restore it from git, or make it with nox -s lock")) from None
+    m = re.search(r"^# python: (\d+\.\d+)\s*$", text, re.M)
+    pins: dict[str, tuple[str, tuple[str, ...]]] = {}
+    # Join continuation lines so each requirement is one logical line.
+    for line in text.replace("\\\n", " ").splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        pm = PIN.match(line)
+        hashes = tuple(HASH.findall(line))
+        if not pm or not hashes:
+            raise BadInput(problem(f"{path}: requirement {line.split()[0]!r}", "a pin NAME==VERSION with --hash",
+                                   line[:80], "make the lock with nox -s lock instead of editing it"))
+        pins[norm(pm[1])] = (pm[2], hashes)
+    return Lock(path, m[1] if m else None, pins, hashlib.sha256(text.encode()).hexdigest())
+
+
+def installed(s: Settings) -> dict[str, str]:
+    """name -> version of every distribution in the venv, read from its .dist-info folders."""
+    out = {}
+    sp = site_packages(s)
+    if not sp.is_dir():
+        return out
+    for d in sp.glob("*.dist-info"):
+        name, _, version = d.name[: -len(".dist-info")].partition("-")
+        out[norm(name)] = version
+    return out
+
+
+def differences(lock: Lock, have: dict[str, str]) -> list[str]:
+    """Pins the venv does not satisfy, as 'name==want (found X)'."""
+    return [f"{n}=={v} (found {have.get(n, 'none')})" for n, (v, _) in lock.pins.items() if have.get(n) != v]
+
+
+def _check_python(lock: Lock, s: Settings) -> None:
+    minor = venv_minor(s.venv_dir)
+    found = f"{minor[0]}.{minor[1]}" if minor else "no venv"
+    if lock.python is None:
+        raise BadInput(problem(f"{lock.path}", "a '# python: X.Y' header line", "none",
+                               "make the lock with nox -s lock"))
+    if lock.python != found:
+        raise BadInput(problem(f"{lock.path}", f"a lock for the venv's Python {found}",
+                               f"a lock for Python {lock.python}", "make the lock for 3.13 with nox -s lock"))
+
+
+class RuntimeStep(Step):
+    name = "runtime"
+    summary = "the pinned requirements, hash-checked, into the venv"
+    needs = ("venv",)
+    facts = ("lock_sha256", "pins")
+
+    def check(self, ctx: Context) -> Status:
+        s = ctx.settings
+        lock = read_lock(s.runtime_lock)
+        _check_python(lock, s)
+        rec = ctx.outputs_of(self.name)
+        missing = differences(lock, installed(s))
+        if missing:
+            return Status(False, f"{len(missing)} pin(s) not installed, e.g. {missing[0]}")
+        if rec.get("lock_sha256") != lock.sha256:
+            return Status(False, f"{s.runtime_lock.name} changed since the last install")
+        return Status(True, f"{len(lock.pins)} pins of {s.runtime_lock.name} installed", rec)
+
+    def run(self, ctx: Context) -> dict:
+        s = ctx.settings
+        lock = read_lock(s.runtime_lock)
+        _check_python(lock, s)
+        old = ctx.outputs_of(self.name).get("pin_digests", {})
+        changed = [n for n in lock.pins if n in old and old[n] != lock.pin_digest(n)]
+        if not old:  # first install into this venv: check every hash, even of what is there
+            changed = [n for n in lock.pins if n in installed(s)]
+        say(f"installing {len(lock.pins)} pins from {s.runtime_lock} with hash checking")
+        install(s, lock, reinstall=changed)
+        missing = differences(lock, installed(s))
+        if missing:
+            raise WorkFailed(f"after the install {len(missing)} pin(s) are still missing, e.g. {missing[0]}. "
+                             f"Fix: remove {s.venv_dir} and run ./build.sh again")
+        size = sum(f.stat().st_size for f in site_packages(s).rglob("*") if f.is_file()) / 1e9
+        say(f"venv size: {size:.2f} GB")
+        return {"lock_sha256": lock.sha256, "pins": len(lock.pins),
+                "pin_digests": {n: lock.pin_digest(n) for n in lock.pins}}
+
+
+def install(s: Settings, lock: Lock, reinstall: list[str]) -> None:
+    """Install the lock into the venv, hash-checked; clear errors for bad hashes and missing packages."""
+    uv = uv_path(s)
+    if uv:
+        cmd = [uv, "pip", "install", "--python", str(venv_python(s)), "--require-hashes", "--no-deps",
+               "-r", str(lock.path)]
+        cmd += [x for n in reinstall for x in ("--reinstall-package", n)]
+    else:
+        cmd = [str(venv_python(s)), "-m", "pip", "install", "--progress-bar", "off", "--require-hashes",
+               "--no-deps", "-r", str(lock.path)]
+        if reinstall:
+            cmd += ["--force-reinstall", *[f"{n}=={lock.pins[n][0]}" for n in reinstall]]
+    code, tail = stream(cmd, label="installing", watch=s.venv_dir)
+    if code != 0:
+        raise _install_error(tail, lock) or WorkFailed(
+            f"the install failed (exit {code}): {' '.join(tail[-3:])}. Fix: check the network and run again")
+
+
+def stream(cmd: list[str], label: str, watch: Path) -> tuple[int, list[str]]:
+    """Run ``cmd`` showing its output, with a heartbeat so a long download never looks hung."""
+    start = time.monotonic()
+    free0 = shutil.disk_usage(watch.parent if not watch.exists() else watch).free
+    tail: deque[str] = deque(maxlen=400)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            used = (free0 - shutil.disk_usage(watch if watch.exists() else watch.parent).free) / 1e9
+            say(f"still {label}: {time.monotonic() - start:.0f} s, {max(used, 0):.2f} GB written so far")
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout
+    for line in proc.stdout:
+        line = line.rstrip()
+        tail.append(line)
+        if line.strip():
+            print(f"      | {line}", flush=True)
+    code = proc.wait()
+    done.set()
+    t.join()
+    return code, list(tail)
+
+
+def _install_error(tail: list[str], lock: Lock) -> BadInput | None:
+    text = "\n".join(tail)
+    m = re.search(r"Hash mismatch for `([^`]+)`\s*Expected:\s*(.*?)\s*Computed:\s*(sha256:[0-9a-f]{64})", text, re.S)
+    if m:
+        expected = ", ".join(re.findall(r"sha256:[0-9a-f]{64}", m[2]))
+        return BadInput(problem(f"the hash of {m[1]} in {lock.path.name}", expected, m[3],
+                                "the lock was edited or the index serves another file: make it again with "
+                                "nox -s lock (or git checkout the lock)"))
+    m = re.search(r"(\S+==\S+) from .*?:\s*Expected sha256 ([0-9a-f]{64})\s*Got\s+([0-9a-f]{64})", text, re.S)
+    if m:  # pip's wording
+        return BadInput(problem(f"the hash of {m[1]} in {lock.path.name}", f"sha256:{m[2]}", f"sha256:{m[3]}",
+                                "make the lock again with nox -s lock (or git checkout the lock)"))
+    m = re.search(r"there is no version of (\S+?)(?:\s|,|$)", text) or re.search(
+        r"No matching distribution found for (\S+)", text)
+    if m:
+        return BadInput(problem(f"the package {m[1]} of {lock.path.name}", "on the package index", "not there",
+                                "make the lock again with nox -s lock against the index you use"))
+    return None
+
+
+def make_lock(s: Settings, out: Path, inputs: list[str], python: str = WANT_TEXT) -> int:
+    """``nox -s lock``: resolve ``inputs`` for CPython ``python`` on manylinux x86_64, hashed; return pin count."""
+    uv = uv_path(s)
+    if not uv:
+        raise BadInput(problem("uv", "on PATH (nox -s lock resolves with uv pip compile)", "not found or UV=0",
+                               "install uv: python3 -m pip install --user uv"))
+    src = out.with_suffix(".in")
+    atomic.write_text(src, "# The inputs of the runtime lock (nox -s lock).\n" + "\n".join(inputs) + "\n")
+    cmd = [uv, "pip", "compile", "--quiet", "--generate-hashes", "--no-header", "--no-annotate",
+           "--python-version", python, "--python-platform", PLATFORM, "--no-emit-package", "vllm",
+           "--index-url", s.index_url, str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise WorkFailed(f"uv pip compile failed: {r.stderr.strip()[-800:]}")
+    body = r.stdout
+    pins = len(re.findall(r"^[A-Za-z0-9][A-Za-z0-9._-]*==", body, re.M))
+    uv_version = subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip()
+    header = (
+        f"# The serving runtime: every requirement pinned with == and hashed ({pins} pins).\n"
+        f"# Made by `nox -s lock` on {dt.date.today().isoformat()} with {uv_version}:\n"
+        f"#   uv pip compile --generate-hashes --python-version {python} --python-platform {PLATFORM} \\\n"
+        f"#     --no-emit-package vllm {src.name}\n"
+        f"# {src.name} holds the inputs: the official wheel's requirements (through vllm==...) and\n"
+        f"# vLLM's build requirements. Do not edit by hand: the install checks every hash.\n"
+        f"# python: {python}\n"
+        f"# platform: {PLATFORM}\n"
+    )
+    atomic.write_text(out, header + body)
+    return pins
+
+
+def lock_main(s: Settings, version: str) -> int:
+    inputs = [f"vllm=={version}", "# vLLM's build requirements (pyproject.toml [build-system])", *BUILD_REQUIRES]
+    n = make_lock(s, s.runtime_lock, inputs)
+    lock = read_lock(s.runtime_lock)
+    torch = lock.pins.get("torch")
+    cuda = [p for p in lock.pins if p.startswith("nvidia-cuda-runtime")]
+    if not torch or not cuda:
+        raise WorkFailed(f"the lock has torch {torch and torch[0]} but no CUDA runtime: a CPU build of torch was "
+                         "resolved. Fix: resolve against PyPI (INDEX_URL) where torch is the CUDA build")
+    print(f"{s.runtime_lock}: {n} pins (torch {torch[0]} with {cuda[0]} {lock.pins[cuda[0]][0]})", file=sys.stderr)
+    return n

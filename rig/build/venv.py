@@ -1,0 +1,169 @@
+"""Step 3, venv: ``.venv/`` with CPython 3.13, through uv when it is there.
+
+CPython 3.13 is looked for in this order: ``PYTHON`` / ``UV_PYTHON``, uv's own
+discovery, ``python3.13`` on PATH, then pyenv's installed versions (uv does
+not look there, and it cannot download Pythons on a closed network).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from rig.build.pipeline import Context, Status, Step
+from rig.build.tools import uv_path
+from rig.config import Settings
+from rig.console import say
+from rig.errors import BadInput, WorkFailed, problem
+
+WANT = (3, 13)
+WANT_TEXT = "3.13"
+INSTALL_HINT = ("install CPython 3.13 (pyenv install 3.13, or apt-get install python3.13) "
+                "or point PYTHON at one")
+
+
+def probe(python: str) -> tuple[tuple[int, int], str] | None:
+    """(major, minor) and sys.executable of ``python``, or None when it does not run."""
+    try:
+        r = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2], sys.executable)"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    parts = r.stdout.split()
+    if r.returncode != 0 or len(parts) != 3:
+        return None
+    return (int(parts[0]), int(parts[1])), parts[2]
+
+
+def pyenv_pythons() -> list[Path]:
+    """pyenv's installed 3.13 interpreters, newest first."""
+    root = os.environ.get("PYENV_ROOT")
+    if not root and shutil.which("pyenv"):
+        r = subprocess.run(["pyenv", "root"], capture_output=True, text=True)
+        root = r.stdout.strip() if r.returncode == 0 else None
+    root = root or str(Path.home() / ".pyenv")
+    found = []
+    for d in Path(root, "versions").glob(f"{WANT_TEXT}*"):
+        exe = d / "bin" / f"python{WANT_TEXT}"
+        if re.fullmatch(r"3\.13(\.\d+)?", d.name) and exe.exists():
+            found.append(exe)
+    return sorted(found, key=lambda p: [int(x) for x in p.parent.parent.name.split(".")], reverse=True)
+
+
+def find_python(s: Settings) -> tuple[str, str]:
+    """A CPython 3.13 executable and how it was found."""
+    if s.python:
+        exe = s.python if os.sep in s.python else (shutil.which(s.python) or s.python)
+        got = probe(exe)
+        if got is None and (uv := uv_path(s)):
+            r = subprocess.run([uv, "python", "find", s.python], capture_output=True, text=True)
+            got = probe(r.stdout.strip()) if r.returncode == 0 else None
+        if got is None or got[0] != WANT:
+            found = "it does not run" if got is None else f"Python {got[0][0]}.{got[0][1]} ({got[1]})"
+            raise BadInput(problem(f"PYTHON/UV_PYTHON={s.python}", f"a CPython {WANT_TEXT}", found,
+                                   f"point PYTHON at a python{WANT_TEXT}, or unset it to search"))
+        return got[1], f"PYTHON/UV_PYTHON={s.python}"
+    uv = uv_path(s)
+    if uv:
+        r = subprocess.run([uv, "python", "find", "--no-python-downloads", WANT_TEXT], capture_output=True, text=True)
+        got = probe(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip() else None
+        if got and got[0] == WANT:
+            return got[1], "uv python find"
+    which = shutil.which(f"python{WANT_TEXT}")
+    if which and (got := probe(which)) and got[0] == WANT:
+        return got[1], f"python{WANT_TEXT} on PATH"
+    for exe in pyenv_pythons():
+        got = probe(str(exe))
+        if got and got[0] == WANT:
+            return got[1], "pyenv's versions"
+    raise BadInput(problem("CPython 3.13", "one of PYTHON/UV_PYTHON, uv's discovery, python3.13 on PATH, "
+                           "pyenv's versions", "none", INSTALL_HINT))
+
+
+def venv_python(s: Settings) -> Path:
+    return s.venv_dir / "bin" / "python"
+
+
+def venv_minor(venv: Path) -> tuple[int, int] | None:
+    """The venv's Python minor from pyvenv.cfg, without starting Python; None if broken."""
+    try:
+        cfg = (venv / "pyvenv.cfg").read_text()
+    except FileNotFoundError:
+        return None
+    m = re.search(r"^(?:version|version_info)\s*=\s*(\d+)\.(\d+)", cfg, re.M)
+    if not m or not os.path.exists(venv / "bin" / "python"):  # exists() follows the link: gone means broken
+        return None
+    return int(m[1]), int(m[2])
+
+
+def site_packages(s: Settings) -> Path:
+    return s.venv_dir / "lib" / f"python{WANT_TEXT}" / "site-packages"
+
+
+def caches(s: Settings) -> dict[str, str]:
+    """The wheel caches of the current user, which the venv installs reuse."""
+    out = {}
+    uv = uv_path(s)
+    if uv:
+        r = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True)
+        out["uv_cache"] = r.stdout.strip()
+    out["pip_cache"] = os.environ.get("PIP_CACHE_DIR") or str(Path.home() / ".cache" / "pip")
+    return out
+
+
+class VenvStep(Step):
+    name = "venv"
+    summary = "the serving venv with CPython 3.13 (uv when present; UV=0 / UV=path)"
+    facts = ("venv", "python")
+
+    def check(self, ctx: Context) -> Status:
+        s = ctx.settings
+        minor = venv_minor(s.venv_dir)
+        if not s.venv_dir.exists():
+            return Status(False, f"{s.venv_dir} does not exist yet")
+        if minor is None:
+            return Status(False, f"{s.venv_dir} is broken (its interpreter or pyvenv.cfg is gone): replacing it")
+        if minor != WANT:
+            return Status(False, f"{s.venv_dir} has Python {minor[0]}.{minor[1]}, not {WANT_TEXT}: replacing it")
+        self._print_caches(s)
+        return Status(True, f"{s.venv_dir} has CPython {WANT_TEXT}", self._outputs(s))
+
+    def run(self, ctx: Context) -> dict:
+        s = ctx.settings
+        python, how = find_python(s)
+        say(f"CPython {WANT_TEXT}: {python} (found by {how})")
+        old = None
+        if s.venv_dir.exists() or s.venv_dir.is_symlink():
+            old = s.venv_dir.with_name(f"{s.venv_dir.name}.old-{int(time.time())}")
+            os.replace(s.venv_dir, old)
+        uv = uv_path(s)
+        try:
+            if uv:
+                say(f"creating {s.venv_dir} with {uv}")
+                cmd = [uv, "venv", "--quiet", "--seed", "--python", python, str(s.venv_dir)]
+            else:
+                say(f"creating {s.venv_dir} with {python} -m venv ({'UV=0' if s.uv == '0' else 'no uv on PATH'})")
+                cmd = [python, "-m", "venv", str(s.venv_dir)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise WorkFailed(f"{' '.join(cmd)} failed: {r.stderr.strip()}. Fix: check the Python at {python}")
+        except BaseException:
+            shutil.rmtree(s.venv_dir, ignore_errors=True)
+            if old:
+                os.replace(old, s.venv_dir)
+            raise
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        self._print_caches(s)
+        return self._outputs(s)
+
+    def _print_caches(self, s: Settings) -> None:
+        for k, v in caches(s).items():
+            say(f"{k.replace('_', ' ')}: {v} (reused)")
+
+    def _outputs(self, s: Settings) -> dict:
+        return {"venv": str(s.venv_dir), "python": str(venv_python(s)), "uv": uv_path(s) or ""}

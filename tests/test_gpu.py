@@ -1,0 +1,104 @@
+"""GPU-only checks, for the device machine: they skip cleanly where no NVIDIA driver is present.
+
+  python3 tests/test_gpu.py      # without pytest (the device machine has none)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rig import cudastub  # noqa: E402 - standard library only, like this file
+
+
+def driver_loadable() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+try:
+    import pytest
+
+    pytestmark = pytest.mark.skipif(not driver_loadable(), reason="no NVIDIA driver (libcuda.so.1) here")
+except ImportError:  # run as a script
+    pytest = None
+
+TINY_CU = r"""
+#include <cuda.h>
+#include <cuda_runtime.h>
+__global__ void add(int a, int b, int *out) { *out = a + b; }
+extern "C" int tiny_add(int a, int b) {
+    if (cuInit(0) != CUDA_SUCCESS) return -1;          /* the driver API: libcuda.so.1 */
+    CUdevice dev; if (cuDeviceGet(&dev, 0) != CUDA_SUCCESS) return -2;
+    int *d = 0, h = 0;
+    if (cudaMalloc(&d, sizeof(int)) != cudaSuccess) return -3;
+    add<<<1, 1>>>(a, b, d);
+    if (cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) return -4;
+    cudaFree(d);
+    return h;
+}
+"""
+LOADER = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+print("tiny_add(2, 40) =", lib.tiny_add(2, 40))
+for line in open("/proc/self/maps"):
+    if "libcuda.so" in line:
+        print("mapped:", line.split()[-1]); break
+"""
+
+
+def cuda_home() -> Path:
+    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "include" / "cuda.h").exists():
+            return Path(cand)
+    nvcc = shutil.which("nvcc")
+    return Path(os.path.realpath(nvcc)).parent.parent
+
+
+def test_extension_built_against_the_stub_loads_the_real_driver(tmp_path: Path | None = None) -> None:
+    tmp = Path(tmp_path or tempfile.mkdtemp())
+    home = cuda_home()
+    stubs = tmp / "lib" / "stubs"
+    lib, n = cudastub.build(home / "include" / "cuda.h", stubs)
+    print(f"stub: {lib} ({n} entry points)")
+    so = tmp / "libtiny.so"
+    r = subprocess.run([str(home / "bin" / "nvcc"), "-shared", "-Xcompiler", "-fPIC", "-o", str(so),
+                        str(_write(tmp / "tiny.cu", TINY_CU)), f"-L{stubs}", "-lcuda"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    dyn = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
+    assert "[libcuda.so.1]" in dyn and str(stubs) not in dyn
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"} | {"LD_LIBRARY_PATH": str(home / "lib64")}
+    run = subprocess.run([sys.executable, "-c", LOADER, str(so)], capture_output=True, text=True, env=env)
+    print(run.stdout + run.stderr)
+    assert "tiny_add(2, 40) = 42" in run.stdout
+    mapped = run.stdout.split("mapped: ", 1)[1].split()[0]
+    assert not mapped.startswith(str(stubs)), f"the stub was loaded at run time: {mapped}"
+    assert os.path.realpath(mapped) != os.path.realpath(lib)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+if __name__ == "__main__":
+    if not driver_loadable():
+        print("skip: no NVIDIA driver here")
+        raise SystemExit(0)
+    for name, fn in list(globals().items()):
+        if name.startswith("test_") and callable(fn):
+            print(f"== {name}")
+            fn()
+            print(f"PASS {name}")

@@ -1,0 +1,132 @@
+"""Step 4, runtime: a real hashed lock made by uv pip compile, installed with hash checking."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_rig
+
+from rig import config
+from rig.build import runtime
+
+
+@pytest.fixture(scope="module")
+def small_lock(tmp_path_factory) -> Path:
+    """A lock of two small packages, made the way nox -s lock makes the real one."""
+    d = tmp_path_factory.mktemp("lock")
+    s = config.settings({**os.environ, "RUNTIME_LOCK": str(d / "runtime.lock")})
+    n = runtime.make_lock(s, s.runtime_lock, ["six==1.16.0", "idna==3.7"])
+    assert n == 2
+    return s.runtime_lock
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, small_lock):
+    d = tmp_path_factory.mktemp("rt")
+    env = {k: v for k, v in os.environ.items() if k not in ("UV", "PYTHON", "UV_PYTHON")}
+    env.update({"VENV_DIR": str(d / ".venv"), "RIG_STATE": str(d / "state"), "RUNTIME_LOCK": str(small_lock)})
+    r = run_rig(env, "build", "--only", "venv,runtime")
+    return r, env, d
+
+
+def edited(small_lock: Path, tmp_path: Path, fn) -> str:
+    p = tmp_path / "runtime.lock"
+    p.write_text(fn(small_lock.read_text()))
+    return str(p)
+
+
+def test_lock_pins_every_requirement_with_hashes(small_lock):
+    lock = runtime.read_lock(small_lock)
+    assert lock.python == "3.13"
+    assert set(lock.pins) == {"six", "idna"}
+    assert all(h for _, h in lock.pins.values())
+    assert "--generate-hashes" in small_lock.read_text()
+
+
+def test_installs_and_a_rerun_is_current(built):
+    r, env, d = built
+    assert r.code == 0, r.text
+    assert r.fact("pins") == "2"
+    have = runtime.installed(config.settings(env))
+    assert have["six"] == "1.16.0" and have["idna"] == "3.7"
+    again = run_rig({**env, "INDEX_URL": "http://127.0.0.1:9/simple"}, "build", "--only", "runtime")
+    assert again.code == 0, again.text
+    assert "current: 2 pins" in again.out
+
+
+def test_a_removed_package_is_installed_again(built, tmp_path):
+    r, env, d = built
+    sp = Path(config.settings(env).venv_dir) / "lib/python3.13/site-packages"
+    for p in sp.glob("six-*.dist-info"):
+        for f in p.iterdir():
+            f.unlink()
+        p.rmdir()
+    r = run_rig(env, "build", "--only", "runtime")
+    assert r.code == 0, r.text
+    assert "six==1.16.0 (found none)" in r.out
+    assert runtime.installed(config.settings(env))["six"] == "1.16.0"
+
+
+def test_hand_edited_hash_is_refused_naming_the_package(built, small_lock, tmp_path):
+    _, env, _ = built
+    lock = runtime.read_lock(small_lock)
+    _, real = lock.pins["six"]
+
+    def swap(text: str) -> str:
+        for h in real:
+            text = text.replace(h, "sha256:" + "0" * 64 if h == real[0] else "sha256:" + "1" * 64)
+        return text
+
+    r = run_rig({**env, "RUNTIME_LOCK": edited(small_lock, tmp_path, swap)}, "build", "--only", "runtime")
+    assert r.code == 2, r.text
+    assert "six==1.16.0" in r.err and "sha256:" + "0" * 64 in r.err
+    assert re.search(r"found sha256:[0-9a-f]{64}", r.err)
+    assert any(h in r.err.split("found ")[1] for h in real)
+
+
+def test_lock_for_another_python_is_refused(built, small_lock, tmp_path):
+    _, env, _ = built
+    lock = edited(small_lock, tmp_path, lambda t: t.replace("# python: 3.13", "# python: 3.12"))
+    r = run_rig({**env, "RUNTIME_LOCK": lock}, "build", "--only", "runtime")
+    assert r.code == 2
+    assert "a lock for the venv's Python 3.13" in r.err and "found a lock for Python 3.12" in r.err
+
+
+def test_package_missing_from_the_index(built, small_lock, tmp_path):
+    _, env, _ = built
+    lock = edited(small_lock, tmp_path, lambda t: t.replace("six==1.16.0", "six==99.0.0"))
+    r = run_rig({**env, "RUNTIME_LOCK": lock}, "build", "--only", "runtime")
+    assert r.code == 2, r.text
+    assert "six==99.0.0" in r.err and "nox -s lock" in r.err
+
+
+def test_unpinned_requirement_is_refused(built, small_lock, tmp_path):
+    _, env, _ = built
+    lock = edited(small_lock, tmp_path, lambda t: t + "requests>=2\n")
+    r = run_rig({**env, "RUNTIME_LOCK": lock}, "build", "--only", "runtime")
+    assert r.code == 2
+    assert "'requests>=2'" in r.err and "NAME==VERSION" in r.err
+
+
+def test_runtime_needs_a_venv(tmp_path, small_lock):
+    env = {**os.environ, "VENV_DIR": str(tmp_path / "none"), "RIG_STATE": str(tmp_path / "s"),
+           "RUNTIME_LOCK": str(small_lock)}
+    r = run_rig(env, "build", "--only", "runtime")
+    assert r.code == 2
+    assert "step venv (needed by runtime)" in r.err and "--only venv,runtime" in r.err
+
+
+def test_committed_lock_is_the_cuda_runtime_for_313():
+    lock = runtime.read_lock(ROOT / "scripts" / "runtime.lock")
+    assert lock.python == "3.13"
+    assert lock.pins["torch"][0] == "2.13.0"
+    assert lock.pins["torchvision"][0] == "0.28.0" and lock.pins["torchaudio"][0] == "2.11.0"
+    assert lock.pins["flashinfer-python"][0] == "0.6.18.post1"
+    assert lock.pins["nvidia-cuda-runtime"][0].startswith("13.")
+    assert "vllm" not in lock.pins
+    for req in ("setuptools", "setuptools-scm", "setuptools-rust", "cmake", "ninja", "wheel", "jinja2"):
+        assert req in lock.pins, req
+    print(f"\nruntime lock: {len(lock.pins)} pins")

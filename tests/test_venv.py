@@ -1,0 +1,100 @@
+"""Step 3, venv: CPython 3.13 found by itself, a correct venv kept, a wrong or broken one replaced."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_rig
+
+from rig import config
+from rig.build import venv
+
+
+def env_for(tmp_path: Path, **extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("UV", "PYTHON", "UV_PYTHON")}
+    env.update({"VENV_DIR": str(tmp_path / ".venv"), "RIG_STATE": str(tmp_path / "state"), **extra})
+    return env
+
+
+def venv_version(v: Path) -> str:
+    return subprocess.run([str(v / "bin" / "python"), "-c", "import sys; print(sys.version_info[:2])"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_finds_313_without_being_told(tmp_path):
+    python, how = venv.find_python(config.settings(env_for(tmp_path)))
+    assert venv.probe(python)[0] == (3, 13)
+    assert how
+
+
+def test_creates_then_keeps_a_313_venv(tmp_path):
+    env = env_for(tmp_path)
+    r = run_rig(env, "build", "--only", "venv")
+    assert r.code == 0, r.text
+    assert venv_version(tmp_path / ".venv") == "(3, 13)"
+    assert "uv cache:" in r.out and "pip cache:" in r.out
+    marker = tmp_path / ".venv" / "kept"
+    marker.write_text("x")
+    r = run_rig(env, "build", "--only", "venv")
+    assert r.code == 0 and "current:" in r.out
+    assert marker.exists()
+
+
+def test_wrong_minor_is_replaced_saying_so(tmp_path):
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True)
+    assert venv_version(tmp_path / ".venv") != "(3, 13)"
+    r = run_rig(env_for(tmp_path), "build", "--only", "venv")
+    assert r.code == 0, r.text
+    assert "not 3.13: replacing it" in r.out
+    assert venv_version(tmp_path / ".venv") == "(3, 13)"
+    assert not list(tmp_path.glob(".venv.old-*"))
+
+
+def test_broken_venv_is_replaced(tmp_path):
+    env = env_for(tmp_path)
+    assert run_rig(env, "build", "--only", "venv").code == 0
+    py = tmp_path / ".venv" / "bin" / "python"
+    py.unlink()
+    py.symlink_to(tmp_path / "gone" / "python3.13")
+    r = run_rig(env, "build", "--only", "venv")
+    assert r.code == 0, r.text
+    assert "broken" in r.out
+    assert venv_version(tmp_path / ".venv") == "(3, 13)"
+
+
+def test_uv_0_uses_python_m_venv(tmp_path):
+    r = run_rig(env_for(tmp_path, UV="0"), "build", "--only", "venv")
+    assert r.code == 0, r.text
+    assert "-m venv (UV=0)" in r.out
+    assert (tmp_path / ".venv" / "bin" / "pip").exists()
+
+
+def test_python_of_another_minor_is_refused(tmp_path):
+    r = run_rig(env_for(tmp_path, PYTHON=sys.executable), "build", "--only", "venv")
+    assert r.code == 2
+    assert f"PYTHON/UV_PYTHON={sys.executable}" in r.err and "a CPython 3.13" in r.err
+    assert f"Python {sys.version_info[0]}.{sys.version_info[1]}" in r.err
+    assert not (tmp_path / ".venv").exists()
+
+
+def test_no_313_anywhere_says_how_to_install(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("git", "cc"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = env_for(tmp_path, UV="0", PATH=str(bin_dir), PYENV_ROOT=str(tmp_path / "no-pyenv"))
+    r = run_rig(env, "build", "--only", "venv")
+    assert r.code == 2, r.text
+    assert "CPython 3.13" in r.err and "pyenv install 3.13" in r.err
+
+
+@pytest.mark.parametrize("fake", ["true", "false"])
+def test_uv_path_that_is_not_uv_is_refused(tmp_path, fake):
+    r = run_rig(env_for(tmp_path, UV=shutil.which(fake)), "build", "--only", "venv")
+    assert r.code == 2
+    assert f"UV={shutil.which(fake)}" in r.err and not (tmp_path / ".venv").exists()
