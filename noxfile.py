@@ -47,6 +47,7 @@ def lock(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest; extra arguments go to pytest)."""
     session.install("-e", ".[test]")
+    session.run("python", "-m", "rig.testdeps")
     session.run("python", "-m", "pytest", *session.posargs)
 
 

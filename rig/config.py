@@ -28,6 +28,11 @@ class Var:
 VARS: tuple[Var, ...] = (
     Var("MAX_JOBS", "32", "Compile jobs for the kernels. Lower it when the compile runs out of RAM."),
     Var("ARCH", "8.6", "GPU architectures to compile for (`TORCH_CUDA_ARCH_LIST`); 8.6 is Ampere."),
+    Var("NVCC_THREADS", "1", "Threads per nvcc job; `MAX_JOBS` is divided by it, as vLLM's setup.py does."),
+    Var("OPS_ROUTE", "auto",
+        "Kernels: `auto` (the official wheel's when the series touches no compiled input), `precompiled`, `compile`."),
+    Var("STATUS_INTERVAL", "60", "Seconds between the status lines of a long compile or install."),
+    Var("BUILD_LOG_DIR", ".", "Where `build-<timestamp>.log` (the full output of the ops step) goes: the repo root."),
     Var("UV", "unset", "Unset: use `uv` from PATH for the venv; `0`: refuse uv; a path: use that uv."),
     Var("FETCH", "0", "`1` fetches the upstream base again and re-applies the series."),
     Var("PACK", "1", "`0` skips step 8, the kernel pack (same as `--no-pack`)."),
@@ -51,6 +56,7 @@ VARS: tuple[Var, ...] = (
 
 VAR_NAMES = frozenset(v.name for v in VARS)
 SOURCES = ("auto", "git", "sdist")
+ROUTES = ("auto", "precompiled", "compile")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,10 @@ class Settings:
     root: Path
     max_jobs: int
     arch: str
+    nvcc_threads: int
+    ops_route: str
+    status_interval: int
+    build_log_dir: Path
     uv: str | None  # None: from PATH; "0": refused; else a path
     fetch: bool
     pack: bool
@@ -95,6 +105,14 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     return int(raw)
 
 
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name, "").strip() or choices[0]
+    if raw not in choices:
+        raise BadInput(problem(name, " or ".join(choices), repr(raw),
+                               f"set {name} to one of {', '.join(choices)}, or unset it for {choices[0]}"))
+    return raw
+
+
 def _path(env: Mapping[str, str], name: str, default: Path, root: Path) -> Path:
     raw = env.get(name, "").strip()
     path = Path(raw).expanduser() if raw else default
@@ -105,14 +123,16 @@ def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> 
     """Read every variable from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env
     root = REPO_ROOT if root is None else Path(root)
-    source = env.get("VLLM_SOURCE", "").strip() or "auto"
-    if source not in SOURCES:
-        raise BadInput(problem("VLLM_SOURCE", " or ".join(SOURCES), repr(source), "set VLLM_SOURCE=auto, git or sdist"))
+    source = _choice(env, "VLLM_SOURCE", SOURCES)
     uv = env.get("UV", "").strip() or None
     return Settings(
         root=root,
         max_jobs=_int(env, "MAX_JOBS", 32),
         arch=env.get("ARCH", "").strip() or "8.6",
+        nvcc_threads=_int(env, "NVCC_THREADS", 1),
+        ops_route=_choice(env, "OPS_ROUTE", ROUTES),
+        status_interval=_int(env, "STATUS_INTERVAL", 60),
+        build_log_dir=_path(env, "BUILD_LOG_DIR", Path("."), root),
         uv=uv,
         fetch=_flag(env, "FETCH", False),
         pack=_flag(env, "PACK", True),

@@ -43,7 +43,8 @@ class Git:
     def __init__(self, path: Path, extra_env: dict[str, str] | None = None) -> None:
         self.path = Path(path)
         self._git = git.Git(str(self.path))
-        self._env = {**IDENTITY, "GIT_TERMINAL_PROMPT": "0", **(extra_env or {})}
+        # No optional locks: `git status` must not write index.lock (a full disk, a read-only tree).
+        self._env = {**IDENTITY, "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0", **(extra_env or {})}
 
     def run(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
             timeout: float | None = None) -> tuple[int, str, str]:

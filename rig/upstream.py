@@ -16,8 +16,6 @@ import tarfile
 import time
 from pathlib import Path
 
-import requests
-
 from rig import atomic
 from rig.console import INDENT, say
 from rig.errors import BadInput, WorkFailed, problem
@@ -63,27 +61,33 @@ def sdist_name(version: str) -> str:
     return f"vllm-{version}.tar.gz"
 
 
-def sdist_link(index_url: str, version: str) -> tuple[str, str]:
-    """The sdist's URL and sha256 from the index's simple API (PEP 691 JSON)."""
+def wheel_name(version: str) -> str:
+    """The official CUDA wheel (abi3, manylinux x86_64) whose kernels the precompiled route takes."""
+    return f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+
+def index_link(index_url: str, filename: str) -> tuple[str, str]:
+    """A vLLM file's URL and sha256 from the index's simple API (PEP 691 JSON)."""
+    import requests  # imported here: a build with warm caches never needs it, and it is slow to import
+
     url = f"{index_url}/vllm/"
     try:
         r = requests.get(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60)
         r.raise_for_status()
         files = r.json()["files"]
     except (requests.RequestException, ValueError, KeyError) as exc:
-        raise BadInput(problem(f"the vLLM sdist index {url}", "a PEP 691 simple index answering",
+        raise BadInput(problem(f"the vLLM index {url}", "a PEP 691 simple index answering",
                                f"{type(exc).__name__}: {exc}",
                                "check the network, or set INDEX_URL to a reachable index")) from None
-    name = sdist_name(version)
     for f in files:
-        if f.get("filename") == name:
+        if f.get("filename") == filename:
             sha = (f.get("hashes") or {}).get("sha256")
             if not sha:
-                raise BadInput(problem(f"{name} at {url}", "a sha256 hash", "none",
+                raise BadInput(problem(f"{filename} at {url}", "a sha256 hash", "none",
                                        "use an index that publishes hashes"))
             return requests.compat.urljoin(url, f["url"]), sha
-    raise BadInput(problem(f"{url}", f"a file named {name}", "none listed",
-                           f"check [upstream].version, or set INDEX_URL to an index with vllm {version}"))
+    raise BadInput(problem(f"{url}", f"a file named {filename}", "none listed",
+                           "check [upstream].version, or set INDEX_URL to an index that has it"))
 
 
 def sha256_of(path: Path) -> str:
@@ -94,34 +98,37 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_sdist(cache: Path, index_url: str, version: str, pinned_sha: str | None) -> Path:
-    """The sdist file, from the cache when its hash is right, else downloaded."""
-    link, sha = None, pinned_sha
-    path = Path(cache) / "sdist" / sdist_name(version)
-    if path.exists() and sha and sha256_of(path) == sha:
-        say(f"sdist: {path} (cached, sha256 ok)")
-        return path
-    link, index_sha = sdist_link(index_url, version)
-    if pinned_sha and index_sha != pinned_sha:
-        raise BadInput(problem(f"sha256 of {sdist_name(version)} at {index_url}",
-                               f"{pinned_sha} (series.toml [upstream].sdist_sha256)", index_sha,
-                               "use the official index, or update sdist_sha256 after checking the file"))
-    sha = index_sha
+def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | None,
+               pin_name: str) -> tuple[Path, str]:
+    """A vLLM file from the index, checked against its sha256; cached, so a warm cache needs no network.
+
+    Returns the path and its sha256. ``pinned_sha`` (series.toml's ``pin_name``) must agree with the index.
+    """
+    path = Path(cache) / "dist" / filename
+    if path.exists() and pinned_sha and sha256_of(path) == pinned_sha:
+        say(f"{filename}: {path} (cached, sha256 ok)")
+        return path, pinned_sha
+    link, sha = index_link(index_url, filename)
+    if pinned_sha and sha != pinned_sha:
+        raise BadInput(problem(f"sha256 of {filename} at {index_url}", f"{pinned_sha} (series.toml {pin_name})",
+                               sha, f"use the official index, or update {pin_name} after checking the file"))
     if path.exists() and sha256_of(path) == sha:
-        say(f"sdist: {path} (cached, sha256 ok)")
-        return path
+        say(f"{filename}: {path} (cached, sha256 ok)")
+        return path, sha
     _download(link, path)
     found = sha256_of(path)
     if found != sha:
-        bad = path.with_suffix(".bad")
+        bad = path.with_name(path.name + ".bad")
         os.replace(path, bad)
-        raise BadInput(problem(f"sha256 of the downloaded {path.name}", sha, found,
+        raise BadInput(problem(f"sha256 of the downloaded {filename}", sha, found,
                                f"the file was moved to {bad}; retry, or check INDEX_URL ({index_url})"))
-    return path
+    return path, sha
 
 
 def _download(url: str, dest: Path) -> None:
     """Download with a progress line, to a temporary name renamed when complete."""
+    import requests
+
     say(f"downloading {url}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -142,7 +149,7 @@ def _download(url: str, dest: Path) -> None:
                          "(nothing partial was kept)") from None
 
 
-def base_from_sdist(repo: Git, sdist: Path, version: str, tag: str) -> str:
+def base_from_sdist(repo: Git, sdist: Path, version: str, tag: str, sha: str) -> str:
     """Unpack ``sdist`` into ``repo`` as one commit tagged ``tag``; return it."""
     say(f"unpacking {sdist.name} into a base commit")
     top = f"vllm-{version}/"
@@ -159,7 +166,7 @@ def base_from_sdist(repo: Git, sdist: Path, version: str, tag: str) -> str:
     repo.run("add", "--all", "--force", ".")
     dates = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
     repo.run("commit", "--quiet", "--no-verify", "-m",
-             f"vLLM {version} from the PyPI sdist\n\n{sdist.name} sha256 {sha256_of(sdist)}", env=dates)
+             f"vLLM {version} from the PyPI sdist\n\n{sdist.name} sha256 {sha}", env=dates)
     repo.run("tag", "--force", tag)
     commit = repo.rev("HEAD")
     assert commit

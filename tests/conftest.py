@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import http.server
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +19,8 @@ import tomli_w
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from fixture_upstream import UPSTREAM_FILES, write_files  # noqa: E402,F401 - shared with the fixtures
 
 from rig.series import HEADER  # noqa: E402
 
@@ -34,34 +41,11 @@ OPS_PATHS = ["csrc", "CMakeLists.txt", "cmake", "setup.py", "pyproject.toml", "r
 TAG = "v0.30.0"
 
 # The files of the small upstream: vLLM's layout, a few lines each.
-UPSTREAM_FILES = {
-    "CMakeLists.txt": "cmake_minimum_required(VERSION 3.26)\nproject(vllm_fixture LANGUAGES CXX)\n",
-    "cmake/utils.cmake": "# helpers\nfunction(fixture_helper)\nendfunction()\n",
-    "csrc/ops.cpp": "".join(f"// line {i}\n" for i in range(1, 21)) + "int vllm_fixture_op(int x) { return x + 1; }\n",
-    "setup.py": "from setuptools import setup\nsetup()\n",
-    "pyproject.toml": "[project]\nname = \"vllm\"\nversion = \"0.30.0\"\n",
-    "requirements/build.txt": "cmake>=3.26\nninja\n",
-    "requirements/common.txt": "requests\n",
-    "vllm/__init__.py": "__version__ = \"0.30.0\"\n",
-    "vllm/envs.py": "MAX_JOBS = None\n",
-    "vllm/third_party/__init__.py": "",
-    "vllm/entrypoints/api.py": "".join(f"# api line {i}\n" for i in range(1, 31)) + "def serve():\n    return 'ok'\n",
-    "README.md": "fixture upstream\n",
-}
-
-
 def git(cwd: Path, *args: str, check: bool = True) -> str:
     r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, **IDENT})
     if check and r.returncode != 0:
         raise AssertionError(f"git {' '.join(args)} failed: {r.stderr}")
     return r.stdout.strip()
-
-
-def write_files(root: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
 
 
 @dataclass
@@ -173,3 +157,82 @@ def tools_state(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     r = run_rig(env, "build", "--only", "tools")
     assert r.code == 0, r.text
     return state, {"cmake": r.fact("cmake"), "ninja": r.fact("ninja"), "out": r.out, "err": r.err}
+
+
+class Index:
+    """A PEP 691 simple index on loopback serving vLLM files, each with the sha256 it is told."""
+
+    def __init__(self, root: Path, files: dict[str, bytes], listed: dict[str, str] | None = None) -> None:
+        (root / "files").mkdir(parents=True)
+        (root / "simple" / "vllm").mkdir(parents=True)
+        entries = []
+        for name, data in files.items():
+            (root / "files" / name).write_bytes(data)
+            sha = (listed or {}).get(name) or hashlib.sha256(data).hexdigest()
+            entries.append({"filename": name, "url": f"../../files/{name}", "hashes": {"sha256": sha}})
+        self.sha = {e["filename"]: e["hashes"]["sha256"] for e in entries}
+        page = {"meta": {"api-version": "1.1"}, "name": "vllm", "files": entries}
+        (root / "simple" / "vllm" / "index.html").write_text(json.dumps(page))
+
+        class Quiet(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *a, **k):
+                super().__init__(*a, directory=str(root), **k)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+WHEEL = "vllm-0.30.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+
+@pytest.fixture(scope="session")
+def real_venv(tmp_path_factory):
+    """Steps 1, 3, 4, 5 for real: the committed lock (CUDA torch, from the uv cache) in a venv of the tests."""
+    d = tmp_path_factory.mktemp("real-venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("UV", "PYTHON", "UV_PYTHON", "CUDA_HOME")}
+    env.update({"VENV_DIR": str(d / ".venv"), "RIG_STATE": str(d / "state")})
+    r = run_rig(env, "build", "--only", "tools,venv,runtime,toolchain", timeout=3000)
+    return r, env, d
+
+
+@pytest.fixture(scope="session")
+def fixture_wheel(tmp_path_factory, real_venv) -> bytes:
+    """The fixture's 'official wheel': its extension compiled once, zipped under the official name."""
+    r, env, d = real_venv
+    assert r.code == 0, r.text[-2000:]
+    src = tmp_path_factory.mktemp("wheel-src")
+    write_files(src, UPSTREAM_FILES)
+    cmake = r.fact("cmake")
+    py = str(d / ".venv" / "bin" / "python")
+    build = src / "build"
+    configure = [cmake, "-S", str(src), "-B", str(build), f"-DPython3_EXECUTABLE={py}"]
+    for cmd in (configure, [cmake, "--build", str(build)]):
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+    whl = src / WHEEL
+    with zipfile.ZipFile(whl, "w") as z:
+        z.write(build / "_C_stable_libtorch.abi3.so", "vllm/_C_stable_libtorch.abi3.so")
+        z.writestr("vllm-0.30.0.dist-info/WHEEL", "Wheel-Version: 1.0\nTag: cp38-abi3-manylinux_2_28_x86_64\n")
+    return whl.read_bytes()
+
+
+@pytest.fixture
+def ops_env(tmp_path, series, rig_env, real_venv, fixture_wheel):
+    """The fixture tree built on the real venv: its own vllm/, state (steps 1-5 done) and wheel index."""
+    _, venv_env, d = real_venv
+    state = Path(rig_env["RIG_STATE"])
+    state.mkdir(parents=True, exist_ok=True)
+    shutil.copy(d / "state" / "build.toml", state / "build.toml")
+    idx = Index(tmp_path / "index", {WHEEL: fixture_wheel})
+    env = {**rig_env, "VENV_DIR": venv_env["VENV_DIR"], "INDEX_URL": idx.url, "BUILD_LOG_DIR": str(tmp_path / "logs"),
+           "CCACHE_DIR": str(tmp_path / "ccache")}
+    yield env, idx
+    idx.stop()

@@ -88,6 +88,46 @@ def test_extension_built_against_the_stub_loads_the_real_driver(tmp_path: Path |
     assert os.path.realpath(mapped) != os.path.realpath(lib)
 
 
+def test_fixture_kernel_compiled_by_the_ops_step_for_sm90_runs_on_the_gpu(tmp_path: Path | None = None) -> None:
+    """The compile route of rig/build/ops.py on the fixture upstream with ARCH=9.0 and a real CUDA kernel."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fixture_upstream import UPSTREAM_FILES, write_files
+
+    from rig import config
+    from rig.build import ops, pipeline, products
+
+    tmp = Path(tmp_path or tempfile.mkdtemp())
+    tree, venv = tmp / "vllm", tmp / "venv"
+    write_files(tree, UPSTREAM_FILES)
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "f"]):
+        subprocess.run(["git", *args], cwd=tree, check=True)
+    # The device machine's Python (with torch) stands in for the serving venv here.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    s = config.settings({"VLLM_DIR": str(tree), "VENV_DIR": str(venv), "ARCH": "9.0", "MAX_JOBS": "8",
+                         "BUILD_LOG_DIR": str(tmp), "STATUS_INTERVAL": "30"})
+    home = cuda_home()
+    ctx = pipeline.Context(s, pipeline.Options(), {"steps": {
+        "tools": {"outputs": {"cmake": shutil.which("cmake"), "ninja": shutil.which("ninja") or "",
+                              "ccache": shutil.which("ccache") or ""}},
+        "toolchain": {"outputs": {"cuda_home": str(home), "cuda_stub": ""}}}})
+    os.environ["FIXTURE_CUDA"] = "1"
+    log = ops.pip_install(s, ctx, "compile", "0.30.0", None, "compile")
+    rec = products.collect(tree, {"route": "compile"})
+    so = tree / "vllm" / "_C_stable_libtorch.abi3.so"
+    assert list(rec.files) == ["vllm/_C_stable_libtorch.abi3.so"], rec.files
+    text = log.read_text()
+    assert "nvcc" in text and "arch=compute_90,code=[compute_90,sm_90]" in text, text[-3000:]
+    elf = subprocess.run(["cuobjdump", "--list-elf", str(so)], capture_output=True, text=True).stdout
+    print(elf.strip())
+    assert "sm_90" in elf
+    run = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          "import vllm._C_stable_libtorch as m; print('cuda_add(40, 2) =', m.cuda_add(40, 2))"
+                          "\nprint([l.split()[-1] for l in open('/proc/self/maps') if 'libcuda.so' in l][0])"],
+                         capture_output=True, text=True, cwd="/")
+    print(run.stdout + run.stderr)
+    assert "cuda_add(40, 2) = 42" in run.stdout
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

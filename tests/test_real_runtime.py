@@ -13,15 +13,6 @@ from rig.build import toolchain
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def real_venv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("real-venv")
-    env = {k: v for k, v in os.environ.items() if k not in ("UV", "PYTHON", "UV_PYTHON", "CUDA_HOME")}
-    env.update({"VENV_DIR": str(d / ".venv"), "RIG_STATE": str(d / "state")})
-    r = run_rig(env, "build", "--only", "tools,venv,runtime,toolchain", timeout=3000)
-    return r, env, d
-
-
 def test_real_lock_installs_with_cuda_torch(real_venv):
     r, env, d = real_venv
     assert r.code == 0, r.text[-3000:]

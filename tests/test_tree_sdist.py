@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import http.server
 import io
-import json
 import socket
 import tarfile
-import threading
 from pathlib import Path
 
 import pytest
-from conftest import UPSTREAM_FILES, git, run_rig
+from conftest import UPSTREAM_FILES, Index, git, run_rig
 
 NAME = "vllm-0.30.0.tar.gz"
 
@@ -43,33 +40,10 @@ def tree_of_sdist(data: bytes, tmp: Path) -> str:
     return git(root, "write-tree")
 
 
-class Index:
-    """A simple index on loopback serving one sdist with the sha256 it is told."""
-
-    def __init__(self, root: Path, data: bytes, listed_sha: str | None = None) -> None:
-        self.root = root
-        (root / "files").mkdir(parents=True)
-        (root / "files" / NAME).write_bytes(data)
-        self.sha = listed_sha or hashlib.sha256(data).hexdigest()
-        (root / "simple" / "vllm").mkdir(parents=True)
-        page = {"meta": {"api-version": "1.1"}, "name": "vllm",
-                "files": [{"filename": NAME, "url": f"../../files/{NAME}", "hashes": {"sha256": self.sha}}]}
-        (root / "simple" / "vllm" / "index.html").write_text(json.dumps(page))
-        handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
-        http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def sdist(tmp_path):
     data = make_sdist(tmp_path / NAME)
-    idx = Index(tmp_path / "index", data)
+    idx = Index(tmp_path / "index", {NAME: data})
     yield data, idx
     idx.stop()
 
@@ -88,7 +62,7 @@ def test_sdist_base_gives_the_tree_plain_git_gives(series, rig_env, sdist, tmp_p
     vllm = tmp_path / "vllm"
     assert git(vllm, "tag", "--list") == "v0.30.0"
     assert (vllm / "PKG-INFO").exists()
-    assert (tmp_path / "cache" / "sdist" / NAME).read_bytes() == data
+    assert (tmp_path / "cache" / "dist" / NAME).read_bytes() == data
 
 
 def test_sdist_base_commit_is_the_same_on_every_run(series, rig_env, sdist, tmp_path):
@@ -112,7 +86,7 @@ def test_auto_falls_back_to_the_sdist_and_says_so(series, rig_env, sdist, tmp_pa
 
 def test_pinned_sha_lets_fetch_1_work_offline_from_the_cache(series, rig_env, sdist, tmp_path):
     data, idx = sdist
-    series.write_toml({"sdist": tree_of_sdist(data, tmp_path)}, sdist_sha256=idx.sha)
+    series.write_toml({"sdist": tree_of_sdist(data, tmp_path)}, sdist_sha256=idx.sha[NAME])
     env = sdist_env(rig_env, idx, tmp_path)
     assert run_rig(env, "tree").code == 0
     idx.stop()
@@ -123,7 +97,7 @@ def test_pinned_sha_lets_fetch_1_work_offline_from_the_cache(series, rig_env, sd
 
 def test_sdist_whose_sha_does_not_match_the_index(series, rig_env, tmp_path):
     data = make_sdist(tmp_path / NAME)
-    idx = Index(tmp_path / "index", data, listed_sha="ab" * 32)
+    idx = Index(tmp_path / "index", {NAME: data}, {NAME: "ab" * 32})
     try:
         series.write_toml({"sdist": "0" * 40})
         r = run_rig(sdist_env(rig_env, idx, tmp_path), "tree")
@@ -131,7 +105,7 @@ def test_sdist_whose_sha_does_not_match_the_index(series, rig_env, tmp_path):
         idx.stop()
     assert r.code == 2, r.text
     assert "sha256" in r.err and "ab" * 32 in r.err and hashlib.sha256(data).hexdigest() in r.err
-    assert not (tmp_path / "cache" / "sdist" / NAME).exists()
+    assert not (tmp_path / "cache" / "dist" / NAME).exists()
     assert not (tmp_path / "vllm").exists()
 
 
@@ -140,7 +114,7 @@ def test_index_sha_differs_from_the_pinned_one(series, rig_env, sdist, tmp_path)
     series.write_toml({"sdist": "0" * 40}, sdist_sha256="cd" * 32)
     r = run_rig(sdist_env(rig_env, idx, tmp_path), "tree")
     assert r.code == 2
-    assert "cd" * 32 in r.err and idx.sha in r.err and "sdist_sha256" in r.err
+    assert "cd" * 32 in r.err and idx.sha[NAME] in r.err and "sdist_sha256" in r.err
 
 
 def test_git_unreachable_and_sdist_unavailable(series, rig_env, tmp_path):
@@ -163,7 +137,7 @@ def test_sdist_with_a_member_outside_its_folder_is_refused(series, rig_env, tmp_
             info = tarfile.TarInfo(name)
             info.size = 1
             tf.addfile(info, io.BytesIO(b"x"))
-    idx = Index(tmp_path / "index", buf.getvalue())
+    idx = Index(tmp_path / "index", {NAME: buf.getvalue()})
     try:
         r = run_rig(sdist_env(rig_env, idx, tmp_path), "tree")
     finally:

@@ -15,13 +15,10 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
-import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import atomic
+from rig import atomic, proc
 from rig.build.pipeline import Context, Status, Step
 from rig.build.tools import uv_path
 from rig.build.venv import WANT_TEXT, site_packages, venv_minor, venv_python
@@ -156,37 +153,24 @@ def install(s: Settings, lock: Lock, reinstall: list[str]) -> None:
                "--no-deps", "-r", str(lock.path)]
         if reinstall:
             cmd += ["--force-reinstall", *[f"{n}=={lock.pins[n][0]}" for n in reinstall]]
-    code, tail = stream(cmd, label="installing", watch=s.venv_dir)
+    code, tail = stream(cmd, label="installing", watch=s.venv_dir, interval=min(HEARTBEAT_S, s.status_interval))
     if code != 0:
         raise _install_error(tail, lock) or WorkFailed(
             f"the install failed (exit {code}): {' '.join(tail[-3:])}. Fix: check the network and run again")
 
 
-def stream(cmd: list[str], label: str, watch: Path) -> tuple[int, list[str]]:
+def stream(cmd: list[str], label: str, watch: Path, interval: float) -> tuple[int, list[str]]:
     """Run ``cmd`` showing its output, with a heartbeat so a long download never looks hung."""
-    start = time.monotonic()
-    free0 = shutil.disk_usage(watch.parent if not watch.exists() else watch).free
-    tail: deque[str] = deque(maxlen=400)
-    done = threading.Event()
+    def where() -> Path:
+        return watch if watch.exists() else watch.parent
 
-    def beat() -> None:
-        while not done.wait(HEARTBEAT_S):
-            used = (free0 - shutil.disk_usage(watch if watch.exists() else watch.parent).free) / 1e9
-            say(f"still {label}: {time.monotonic() - start:.0f} s, {max(used, 0):.2f} GB written so far")
+    free0 = shutil.disk_usage(where()).free
 
-    t = threading.Thread(target=beat, daemon=True)
-    t.start()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    assert proc.stdout
-    for line in proc.stdout:
-        line = line.rstrip()
-        tail.append(line)
-        if line.strip():
-            print(f"      | {line}", flush=True)
-    code = proc.wait()
-    done.set()
-    t.join()
-    return code, list(tail)
+    def status(elapsed: float, _tail: list[str]) -> str:
+        used = max(free0 - shutil.disk_usage(where()).free, 0) / 1e9
+        return f"still {label}: {elapsed:.0f} s, {used:.2f} GB written so far"
+
+    return proc.watch(cmd, status=status, interval=interval)
 
 
 def _install_error(tail: list[str], lock: Lock) -> BadInput | None:

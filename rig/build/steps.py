@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rig.build.install import InstallStep
+from rig.build.ops import OpsStep
 from rig.build.pipeline import (
     ORDER,  # noqa: F401 - re-exported for the CLI
     Step,
@@ -15,4 +17,4 @@ from rig.build.venv import VenvStep
 
 def steps() -> list[Step]:
     """Every implemented step, in pipeline order."""
-    return [ToolsStep(), TreeStep(), VenvStep(), RuntimeStep(), ToolchainStep()]
+    return [ToolsStep(), TreeStep(), VenvStep(), RuntimeStep(), ToolchainStep(), OpsStep(), InstallStep()]

@@ -9,6 +9,7 @@ are optional; the step says what their absence costs.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -107,17 +108,45 @@ def ccache_dir(found: dict[str, Tool]) -> str | None:
     return r.stdout.strip() or None
 
 
+def _stamp(path: str | None) -> str:
+    if not path:
+        return "-"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "gone"
+    return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def fingerprint(s: Settings) -> str:
+    """Which files :func:`detect` would look at, by path, size and mtime, without running any of them.
+
+    A re-run that finds the same files need not ask their versions again.
+    """
+    local = tools_dir(s) / "bin"
+    stamps = [f"{n}={_stamp(shutil.which(n))}" for n in ("git", "cc", "c++", "ccache", "cargo", "cmake", "ninja")]
+    stamps += [f"local-{n}={_stamp(str(local / n))}" for n in ("cmake", "ninja")]
+    stamps += [f"uv={_stamp(uv_path(s))}", f"CCACHE_DIR={s.ccache_dir or ''}"]
+    return "|".join(stamps)
+
+
 class ToolsStep(Step):
     name = "tools"
     summary = "cmake >= 3.26, ninja, cc/c++, git, uv, ccache, cargo 1.95 (optional)"
     facts = ("cmake", "ninja", "ccache_dir")
 
     def check(self, ctx: Context) -> Status:
+        rec = ctx.outputs_of(self.name)
+        if rec.get("fingerprint") and rec["fingerprint"] == fingerprint(ctx.settings):
+            say(f"cmake {rec['cmake_version'].split()[-1]} ({rec['cmake']}), ninja {rec['ninja']}")
+            if rec.get("ccache_dir"):
+                say(f"ccache directory: {rec['ccache_dir']} (CCACHE_DIR moves it)")
+            return Status(True, "every tool found (the same files as last time)", rec)
         found = detect(ctx.settings)
         gone = missing(found)
         if gone:
             return Status(False, "missing or too old: " + ", ".join(gone))
-        return Status(True, "every tool found", self._report(found))
+        return Status(True, "every tool found", self._report(ctx.settings, found))
 
     def run(self, ctx: Context) -> dict:
         s = ctx.settings
@@ -132,7 +161,7 @@ class ToolsStep(Step):
             if gone:
                 raise WorkFailed(f"cmake/ninja from PyPI did not work ({', '.join(gone)}). "
                                  f"Fix: rm -rf {tools_dir(s)} and run again, or apt-get install -y cmake ninja-build")
-        return self._report(found)
+        return self._report(s, found)
 
     def _install_cmake_ninja(self, s: Settings, found: dict[str, Tool]) -> None:
         cm = found["cmake"]
@@ -153,7 +182,7 @@ class ToolsStep(Step):
             raise WorkFailed(f"installing cmake and ninja from PyPI failed ({exc}). Fix: check the network, "
                              "or install them: pip install 'cmake>=3.26' ninja") from None
 
-    def _report(self, found: dict[str, Tool]) -> dict:
+    def _report(self, s: Settings, found: dict[str, Tool]) -> dict:
         for t in found.values():
             say(f"{t.name:7} {t.text:45.45} {t.path or ''}")
         cdir = ccache_dir(found)
@@ -167,6 +196,7 @@ class ToolsStep(Step):
             say(f"cargo {'.'.join(map(str, RUST_CHANNEL))} {'not found' if not cargo.path else 'not the version'}: "
                 "the Rust frontend is skipped, the Python tool parsers are used")
         return {
+            "fingerprint": fingerprint(s),
             "git": found["git"].path, "cc": found["cc"].path, "cxx": found["c++"].path,
             "cmake": found["cmake"].path, "cmake_version": found["cmake"].text,
             "ninja": found["ninja"].path, "uv": found["uv"].path or "",

@@ -248,9 +248,10 @@ def _fresh_base(s: Settings, sr: series.Series, scratch: Path) -> Built:
             repo.run("checkout", "--quiet", "-B", "rig", base)
             origin = url
         else:
-            sdist = upstream.fetch_sdist(s.cache, s.index_url, sr.version, sr.sdist_sha256)
-            base = upstream.base_from_sdist(repo, sdist, sr.version, sr.tag)
-            origin = f"{sdist.name} sha256:{upstream.sha256_of(sdist)}"
+            sdist, sha = upstream.fetch_file(s.cache, s.index_url, upstream.sdist_name(sr.version),
+                                             sr.sdist_sha256, "[upstream].sdist_sha256")
+            base = upstream.base_from_sdist(repo, sdist, sr.version, sr.tag, sha)
+            origin = f"{sdist.name} sha256:{sha}"
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise

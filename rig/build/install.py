@@ -1,0 +1,156 @@
+"""Step 7, install: vllm in the venv from the patched tree, and the import check.
+
+The ops step installs vllm editable, so the venv runs the tree's Python files
+and its kernels. This step checks that install (version, editable, pointing
+at this tree) and reinstalls when it is gone or replaced, then checks imports:
+with a driver, ``import vllm`` and every compiled extension; without one, the
+link layer: each extension's NEEDED libraries resolve in the venv or the
+system, except ``libcuda.so.1`` (the driver), and the step names the
+extensions that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from rig import series, upstream
+from rig.build import products
+from rig.build.ops import ccache_counts, pip_install
+from rig.build.pipeline import Context, Status, Step
+from rig.build.toolchain import driver_loadable
+from rig.build.venv import site_packages, venv_python
+from rig.config import Settings
+from rig.console import say
+from rig.errors import WorkFailed
+
+DRIVER = "libcuda.so.1"
+
+
+def installed_vllm(s: Settings) -> tuple[str | None, str]:
+    """The installed vllm's version and what is wrong with it ('' when it is the tree's editable install)."""
+    sp = site_packages(s)
+    infos = sorted(sp.glob("vllm-*.dist-info")) if sp.is_dir() else []
+    if not infos:
+        return None, "vllm is not installed in the venv"
+    info = infos[-1]
+    version = info.name[len("vllm-"):-len(".dist-info")]
+    try:
+        direct = json.loads((info / "direct_url.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return version, f"vllm {version} in the venv is not the rig's install (no direct_url.json)"
+    url = direct.get("url", "")
+    if not direct.get("dir_info", {}).get("editable"):
+        return version, f"vllm {version} in the venv is a plain install from {url or 'an index'}, not this tree"
+    if url != s.vllm_dir.resolve().as_uri():
+        return version, f"vllm in the venv is installed from {url}, not {s.vllm_dir.resolve().as_uri()}"
+    return version, ""
+
+
+def _needed(path: Path) -> list[str]:
+    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def _runpaths(path: Path) -> list[Path]:
+    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    dirs = []
+    for m in re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", out):
+        dirs += [Path(d.replace("$ORIGIN", str(path.parent))) for d in m.split(":") if d]
+    return dirs
+
+
+def _system_libs() -> set[str]:
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    return set(re.findall(r"^\s+(\S+) \(", out, re.M))
+
+
+def link_check(s: Settings, rec: products.Record) -> list[str]:
+    """Problems of the link layer; checks each product ELF's NEEDED list (no driver needed)."""
+    venv_libs = {p.name for p in site_packages(s).rglob("*.so*")}
+    system = _system_libs()
+    problems = []
+    drivers = []
+    checked = 0
+    for rel in sorted(rec.files):
+        path = s.vllm_dir / rel
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"\x7fELF":
+                continue
+        checked += 1
+        for lib in _needed(path):
+            if lib == DRIVER:  # the driver: present on the GPU host, a link stub on a build box
+                drivers.append(rel)
+                continue
+            if lib in venv_libs or lib in system or any((d / lib).exists() for d in _runpaths(path)):
+                continue
+            problems.append(f"{rel} needs {lib}, found neither in {s.venv_dir} nor on the system")
+    say(f"link layer: {checked} ELF file(s) checked; {DRIVER} (the driver, not in the venv) is needed by "
+        f"{len(drivers)}: {', '.join(Path(d).name for d in drivers) or 'none'}")
+    return problems
+
+
+def import_check(s: Settings, rec: products.Record) -> str:
+    """Full imports with a driver, else the link layer; the line that says which."""
+    if driver_loadable():
+        mods = sorted(rel[:-3].split(".")[0].replace("/", ".") for rel in rec.files
+                      if rel.endswith(".so") and "/" in rel)
+        code = "import torch, vllm\nimport importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in mods)
+        r = subprocess.run([str(venv_python(s)), "-c", code], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise WorkFailed(f"import check failed: {r.stderr.strip().splitlines()[-1:]}. "
+                             f"Fix: ./build.sh --force (the kernels may be for another torch or driver)")
+        return f"import check: vllm and {len(mods)} compiled extension(s) import with the driver"
+    problems = link_check(s, rec)
+    if problems:
+        raise WorkFailed("link check failed: " + "; ".join(problems[:10])
+                         + ". Fix: ./build.sh --force, or check the toolchain step's toolkit")
+    return ("import check: no NVIDIA driver here, so only the link layer was checked (every NEEDED library "
+            f"resolves, {DRIVER} aside); the full import runs at serve time on the GPU host")
+
+
+class InstallStep(Step):
+    name = "install"
+    summary = "vllm installed in the venv from the patched tree, import check, ccache counts"
+    needs = ("ops",)
+    facts = ("vllm_version",)
+
+    def check(self, ctx: Context) -> Status:
+        s = ctx.settings
+        version, wrong = installed_vllm(s)
+        rec = ctx.outputs_of(self.name)
+        ops = ctx.outputs_of("ops")
+        if wrong:
+            return Status(False, wrong)
+        if version != ops.get("version"):
+            return Status(False, f"vllm {version} installed, the tree is {ops.get('version')}")
+        if rec.get("ops_obj") != ops.get("ops_obj") or rec.get("route") != ops.get("route"):
+            return Status(False, "the kernels changed since the last import check")
+        return Status(True, f"vllm {version} (editable, this tree) in {s.venv_dir}", rec)
+
+    def run(self, ctx: Context) -> dict:
+        s = ctx.settings
+        ops = ctx.outputs_of("ops")
+        rec = products.read(s.vllm_dir)
+        if rec is None:
+            raise WorkFailed(f"no build record in {s.vllm_dir}: run ./build.sh --only ops first")
+        version, wrong = installed_vllm(s)
+        if wrong or version != ops["version"]:
+            why = wrong or f"vllm {version} installed, the tree is {ops['version']}"
+            say(f"reinstalling: {why}")
+            wheel = None
+            if rec.facts["route"] == "precompiled":
+                sr = series.load(s.patches_dir)
+                wheel, _ = upstream.fetch_file(s.cache, s.index_url, upstream.wheel_name(sr.version),
+                                               rec.facts.get("wheel_sha256"), "the build record's wheel_sha256")
+            pip_install(s, ctx, rec.facts["route"], ops["version"], wheel, "reinstall")
+            version, wrong = installed_vllm(s)
+            if wrong:
+                raise WorkFailed(f"after the reinstall: {wrong}. Fix: remove {s.venv_dir} and run ./build.sh")
+        say(import_check(s, rec))
+        counts = ccache_counts(ctx.outputs_of("tools").get("ccache") or None)
+        if counts:
+            say(f"ccache totals: {counts[0]} hit(s), {counts[1]} miss(es)")
+        return {"vllm_version": version, "ops_obj": ops["ops_obj"], "route": ops["route"]}

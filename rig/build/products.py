@@ -1,0 +1,113 @@
+"""The build record of the kernels: ``vllm/.build-products`` and ``vllm/.build-products.sha256``.
+
+The products are the files of the package folder (``vllm/vllm/``) that git does
+not track: the compiled extensions and what the build copies beside them. The
+record names the tree commit, OPS_OBJ and route they were made for, and a
+sha256, size and mtime per file: a re-run checks size and mtime (fast), or
+re-hashes every file (``--verify``). Both files are written atomically; the
+record is removed before a build starts, so an interrupted build is never
+trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from rig import atomic
+from rig.errors import WorkFailed
+from rig.gitutil import Git
+
+RECORD = ".build-products"
+SUMS = ".build-products.sha256"
+SKIP_PARTS = {"__pycache__"}
+
+
+@dataclass
+class Record:
+    facts: dict  # tree, ops_obj, route, arch, torch, python, ...
+    files: dict[str, dict] = field(default_factory=dict)  # rel path -> {sha256, size, mtime_ns}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def product_paths(vllm_dir: Path) -> list[str]:
+    """Untracked files of the package folder, relative to ``vllm_dir`` (ignored ones included)."""
+    out = Git(vllm_dir).run("ls-files", "--others", "-z", "--", "vllm")[1]
+    paths = []
+    for rel in out.split("\0"):
+        if rel and not SKIP_PARTS.intersection(rel.split("/")) and not rel.endswith((".pyc", ".pyo")):
+            paths.append(rel)
+    return sorted(paths)
+
+
+def collect(vllm_dir: Path, facts: dict) -> Record:
+    files = {}
+    for rel in product_paths(vllm_dir):
+        st = (vllm_dir / rel).stat()
+        files[rel] = {"sha256": sha256_file(vllm_dir / rel), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return Record(facts, files)
+
+
+def read(vllm_dir: Path) -> Record | None:
+    try:
+        data = tomllib.loads((vllm_dir / RECORD).read_text())
+        return Record(data["facts"], data["files"])
+    except (FileNotFoundError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        return None
+
+
+def write(vllm_dir: Path, rec: Record) -> None:
+    """The sums first, then the record: the record's presence means both are complete."""
+    sums = "".join(f"{v['sha256']}  {k}\n" for k, v in sorted(rec.files.items()))
+    exclude = vllm_dir / ".git" / "info" / "exclude"
+    if exclude.parent.is_dir() and "/.build-products" not in (exclude.read_text() if exclude.exists() else ""):
+        with open(exclude, "a") as fh:  # keep `git status` in vllm/ quiet about the record
+            fh.write("/.build-products\n/.build-products.sha256\n")
+    try:
+        atomic.write_text(vllm_dir / SUMS, sums)
+        atomic.write_text(vllm_dir / RECORD, "# The kernels of this tree, written by the rig's ops step.\n"
+                          + tomli_w.dumps({"facts": rec.facts, "files": rec.files}))
+    except OSError as exc:
+        forget(vllm_dir)
+        raise WorkFailed(f"could not write the build record {vllm_dir / RECORD}: {exc.strerror or exc}. "
+                         "Fix: free disk space and run ./build.sh again (no partial record was kept)") from None
+
+
+def forget(vllm_dir: Path) -> None:
+    """Drop the record before a build, so a build cut short leaves nothing a later run trusts."""
+    for name in (RECORD, SUMS):
+        try:
+            os.unlink(vllm_dir / name)
+        except FileNotFoundError:
+            pass
+
+
+def mismatches(vllm_dir: Path, rec: Record, rehash: bool) -> list[str]:
+    """Products that are gone or changed: by size and mtime, or by sha256 with ``rehash``."""
+    bad = []
+    for rel, want in rec.files.items():
+        p = vllm_dir / rel
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            bad.append(f"{rel} (missing)")
+            continue
+        if st.st_size != want["size"]:
+            bad.append(f"{rel} (size {st.st_size}, recorded {want['size']})")
+        elif rehash and sha256_file(p) != want["sha256"]:
+            bad.append(f"{rel} (sha256 differs)")
+        elif not rehash and st.st_mtime_ns != want["mtime_ns"]:
+            bad.append(f"{rel} (modified since the build)")
+    return bad

@@ -1,0 +1,34 @@
+"""What the test suite needs from the system, installed by the project itself (``nox -s tests``).
+
+The integration tests drive real tools: ccache from Debian's packages is one
+of them. On a fresh machine (CI) it is installed with apt-get when we are
+root; elsewhere the missing tool is named and the tests that need it say so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+#: command -> Debian package
+DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils"}
+
+
+def ensure() -> list[str]:
+    """Install the missing packages when possible; return what is still missing."""
+    missing = sorted({pkg for cmd, pkg in DEBIAN.items() if not shutil.which(cmd)})
+    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
+        print(f"tests: installing Debian packages {' '.join(missing)}", file=sys.stderr, flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, check=False)
+        missing = sorted({pkg for cmd, pkg in DEBIAN.items() if not shutil.which(cmd)})
+    if missing:
+        print(f"tests: missing {' '.join(missing)} (apt-get install -y {' '.join(missing)})", file=sys.stderr)
+    return missing
+
+
+if __name__ == "__main__":
+    raise SystemExit(1 if ensure() else 0)
