@@ -38,6 +38,18 @@ def tree(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def pack(session: nox.Session) -> None:
+    """Pack the built kernels into artifacts/ (step 8 alone)."""
+    _rig(session, "pack")
+
+
+@nox.session(**WORK)
+def verify(session: nox.Session) -> None:
+    """Check a kernels tarball against this build's target, item by item."""
+    _rig(session, "verify")
+
+
+@nox.session(**WORK)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
     _rig(session, "lock")

@@ -8,17 +8,15 @@ from collections.abc import Callable, Sequence
 
 from rig import config
 from rig.build import pipeline
-from rig.build.steps import ORDER, steps
+from rig.build.steps import steps
 from rig.console import error
 from rig.errors import RigError
 
 
 def _epilog() -> str:
     lines = ["steps:"]
-    have = {st.name: st for st in steps()}
-    for n, name in enumerate(ORDER, 1):
-        st = have.get(name)
-        lines.append(f"  {n}. {name:10} {st.summary if st else '(not in this version of the rig yet)'}")
+    for n, st in enumerate(steps(), 1):
+        lines.append(f"  {n}. {st.name:10} {st.summary}")
     lines.append("")
     lines.append("variables (from the environment):")
     for v in config.VARS:
@@ -57,6 +55,45 @@ def tree(argv: Sequence[str]) -> int:
     p.add_argument("--force", action="store_true", help="re-apply the series even when the tree is current")
     a = p.parse_args(argv)
     return _guard(lambda: _run(["tree"], a.force, a.accept, False, True, "tree"))
+
+
+def pack(argv: Sequence[str]) -> int:
+    """``nox -s pack``: step 8 alone (the steps it needs are checked, not re-run)."""
+    p = _parser("nox -s pack --", "Step 8 alone: pack the built kernels into ARTIFACTS_DIR.")
+    p.add_argument("--force", action="store_true", help="pack again even when artifacts/ is current")
+    p.add_argument("--verify", action="store_true", help="re-hash the tarball when checking artifacts/")
+    a = p.parse_args(argv)
+    return _guard(lambda: _run(["pack"], a.force, False, a.verify, True, "pack"))
+
+
+def verify(argv: Sequence[str]) -> int:
+    """``nox -s verify``: check a kernels tarball against this build's target, item by item."""
+    p = argparse.ArgumentParser(prog="nox -s verify --", description="Check ARTIFACTS_DIR (or --artifacts) against "
+                                "this box's target (OPS_OBJ, architecture, CPython, CUDA, torch) by the same "
+                                "check the container build runs; installs into --dest, or a scratch folder.")
+    p.add_argument("--artifacts", help="the folder to check (default: ARTIFACTS_DIR)")
+    p.add_argument("--dest", help="install the verified kernels here (default: a scratch folder, then removed)")
+
+    def go() -> int:
+        import tempfile
+        from pathlib import Path
+
+        from rig import artifacts
+        from rig.build.pack import target_facts
+
+        a = p.parse_args(argv)
+        s = config.settings()
+        ctx = pipeline.Context(s, pipeline.Options(), pipeline.load_record(s))
+        facts = target_facts(s, ctx)
+        target = {"ops_obj": facts["ops_obj"], "arch": s.arch, "python": facts["python"], "cuda": facts["cuda"],
+                  "torch": facts["torch"]}
+        src = Path(a.artifacts) if a.artifacts else s.artifacts_dir
+        with tempfile.TemporaryDirectory() as scratch:
+            n = artifacts.verify(src, Path(a.dest) if a.dest else Path(scratch), target)
+        print(f"verify: {src} fits this target ({', '.join(f'{k} {v}' for k, v in target.items())}); {n} files")
+        return 0
+
+    return _guard(go)
 
 
 def lock(argv: Sequence[str]) -> int:
@@ -98,7 +135,7 @@ def _guard(fn: Callable[[], int]) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m rig.cli COMMAND [ARGS]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"build": build, "tree": tree, "lock": lock}
+    commands = {"build": build, "tree": tree, "lock": lock, "pack": pack, "verify": verify}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
         raise SystemExit(2)

@@ -51,6 +51,7 @@ VARS: tuple[Var, ...] = (
         "The hash-pinned runtime and build requirements (`nox -s lock` writes it)."),
     Var("CUDA_HOME", "unset",
         "A system CUDA toolkit to use; unset: the NVIDIA wheels in the venv, then /usr/local/cuda."),
+    Var("ARTIFACTS_DIR", "artifacts", "Where step 8 writes the kernels tarball, its sha256 list and manifest."),
     Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI."),
 )
 
@@ -85,6 +86,7 @@ class Settings:
     venv_dir: Path
     runtime_lock: Path
     cuda_home: Path | None
+    artifacts_dir: Path
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -148,6 +150,7 @@ def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> 
         venv_dir=_path(env, "VENV_DIR", Path(".venv"), root),
         runtime_lock=_path(env, "RUNTIME_LOCK", Path("scripts/runtime.lock"), root),
         cuda_home=Path(env["CUDA_HOME"].strip()) if env.get("CUDA_HOME", "").strip() else None,
+        artifacts_dir=_path(env, "ARTIFACTS_DIR", Path("artifacts"), root),
     )
 
 

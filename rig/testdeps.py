@@ -1,7 +1,7 @@
 """What the test suite needs from the system, installed by the project itself (``nox -s tests``).
 
 The integration tests drive real tools: ccache from Debian's packages is one
-of them. On a fresh machine (CI) it is installed with apt-get when we are
+of them, zstd another. On a fresh machine (CI) it is installed with apt-get when we are
 root; elsewhere the missing tool is named and the tests that need it say so.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 #: command -> Debian package
-DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils"}
+DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd"}
 
 
 def ensure() -> list[str]:

@@ -254,3 +254,24 @@ def test_overwritten_matches_vllm_setup_rules():
         "vllm/vllm_flash_attn/layers/rotary.py", "vllm/third_party/deep_gemm/x.cuh",
         "vllm/_rust_tool_parser.abi3.so", "vllm/vllm-rs"]
     _ = time
+
+
+def test_pack_once_then_current_then_repacked_without_compiling(series, ops_env, tmp_path):
+    env, _ = ops_env
+    env = {**env, "ARTIFACTS_DIR": str(tmp_path / "artifacts")}
+    r = run_rig(env, "build", "--only", STEPS + ",pack")
+    assert r.code == 0, r.text[-2000:]
+    assert "[8/8] pack" in r.out and (tmp_path / "artifacts" / "manifest.toml").exists()
+    again = run_rig(env, "build", "--only", "pack")
+    assert "current:" in again.out
+    n_logs = len(logs(tmp_path))
+    (tmp_path / "artifacts" / "ops.sha256").unlink()
+    r = run_rig(env, "build", "--only", "pack")
+    assert r.code == 0 and "ops.sha256 is missing" in r.out and "no compile" in r.out, r.out
+    assert len(logs(tmp_path)) == n_logs
+    skipped = run_rig({**env, "PACK": "0"}, "build", "--only", "pack")
+    assert "skipped (--no-pack or PACK=0)" in skipped.out
+    v = run_rig(env, "verify")
+    assert v.code == 0 and "fits this target" in v.out, v.text
+    bad = run_rig({**env, "ARCH": "7.0"}, "verify")
+    assert bad.code == 2 and "architectures" in bad.err and "'7.0'" in bad.err

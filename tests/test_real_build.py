@@ -30,16 +30,16 @@ def fresh(tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_DIR", "PATCHES_DIR", "RIG_STATE", "VENV_DIR", "RUNTIME_LOCK", "BUILD_LOG_DIR",
                         "FETCH", "UV", "PYTHON", "UV_PYTHON", "CUDA_HOME", "OPS_ROUTE")}
-    r = subprocess.run([str(dest / "build.sh"), "--no-pack"], cwd=dest, env=env, capture_output=True, text=True,
-                       timeout=3600)
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
     return dest, r, env
 
 
-def test_build_sh_runs_every_step_through_install(fresh):
+def test_build_sh_runs_all_eight_steps(fresh):
     dest, r, _ = fresh
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    for n, step in enumerate(("tools", "tree", "venv", "runtime", "toolchain", "ops", "install"), 1):
+    for n, step in enumerate(("tools", "tree", "venv", "runtime", "toolchain", "ops", "install", "pack"), 1):
         assert f"[{n}/8] {step}" in r.stdout, step
+    assert {p.name for p in (dest / "artifacts").iterdir()} == {"manifest.toml", "ops.sha256", "ops.tar.zst"}
     assert "route: precompiled" in r.stdout
     assert "only the link layer was checked" in r.stdout or "import check: vllm and" in r.stdout
     assert list(dest.glob("build-*.log"))
@@ -66,10 +66,18 @@ def test_installed_vllm_runs_the_patched_tree(fresh):
 
 def test_second_build_does_no_work(fresh):
     dest, _, env = fresh
-    r = subprocess.run([str(dest / "build.sh"), "--no-pack"], cwd=dest, env=env, capture_output=True, text=True)
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("current:") == 7, r.stdout
+    assert r.stdout.count("current:") == 8, r.stdout
     assert "runs:" not in r.stdout
+
+
+def test_the_packed_kernels_verify_against_this_box(fresh):
+    dest, _, env = fresh
+    r = subprocess.run([str(dest / "scripts/nox.sh"), "-s", "verify"], cwd=dest, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    assert "fits this target" in r.stdout and "torch 2.13.0" in r.stdout
 
 
 def test_verify_rehashes_the_real_kernels(fresh):

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from rig.build.install import InstallStep
 from rig.build.ops import OpsStep
-from rig.build.pipeline import (
-    ORDER,  # noqa: F401 - re-exported for the CLI
-    Step,
-)
+from rig.build.pack import PackStep
+from rig.build.pipeline import ORDER, Step
 from rig.build.runtime import RuntimeStep
 from rig.build.toolchain import ToolchainStep
 from rig.build.tools import ToolsStep
@@ -16,5 +14,7 @@ from rig.build.venv import VenvStep
 
 
 def steps() -> list[Step]:
-    """Every implemented step, in pipeline order."""
-    return [ToolsStep(), TreeStep(), VenvStep(), RuntimeStep(), ToolchainStep(), OpsStep(), InstallStep()]
+    """The eight steps, in pipeline order."""
+    out = [ToolsStep(), TreeStep(), VenvStep(), RuntimeStep(), ToolchainStep(), OpsStep(), InstallStep(), PackStep()]
+    assert [st.name for st in out] == list(ORDER)
+    return out
