@@ -19,13 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import median_time, timed  # noqa: E402,F401 - benchmarks/timing.py
+
 COMPILERS = ("cc", "c++", "gcc", "g++", "nvcc", "clang", "clang++")
 CLEAN = ("VLLM_DIR", "PATCHES_DIR", "RIG_STATE", "VENV_DIR", "RUNTIME_LOCK", "BUILD_LOG_DIR", "FETCH", "OPS_ROUTE")
 
@@ -36,14 +40,6 @@ def sh(cmd: list[str], cwd: Path, env: dict, check: bool = True) -> subprocess.C
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     return r
 
-
-def median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fresh_copy(dest: Path) -> None:

@@ -14,15 +14,17 @@ not, so the write speed of the same files (`cp -r` of the folder) is printed too
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from timing import median_time, timed  # noqa: E402,F401 - benchmarks/timing.py
 
 from rig import artifacts  # noqa: E402
 
@@ -30,13 +32,9 @@ FACTS = {"ops_obj": "benchmark", "tree": "benchmark", "route": "benchmark", "arc
          "cuda": "13", "torch": "2.13.0"}
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     vllm = ROOT / "vllm"
     sums = vllm / ".build-products.sha256"
     if not sums.exists():

@@ -18,7 +18,6 @@ import contextlib
 import io
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,19 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from timing import median_time, timed  # noqa: E402,F401 - benchmarks/timing.py
+
 from rig import config  # noqa: E402
 from rig.build import pipeline  # noqa: E402
 from rig.build.tree import TreeStep  # noqa: E402
 from rig.gitutil import Git  # noqa: E402
-
-
-def median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def quiet(fn):

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO
 
 from rig.errors import BadInput, RigError, WorkFailed
+from rig.hashing import sha256_file
 
 MANIFEST = "manifest.toml"
 SUMS = "ops.sha256"
@@ -55,14 +56,6 @@ ZSTD_LEVEL = "3"
 
 class Refused(BadInput):
     """A tarball that does not fit or is malformed (exit 2): one line naming the member or field."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_sums(path: Path) -> dict[str, str]:

@@ -38,6 +38,17 @@ def _strip_comments(text: str) -> str:
     return re.sub(r"/\*.*?\*/|//[^\n]*", blank, text, flags=re.S)
 
 
+def driver_loadable() -> bool:
+    """Whether the real driver library, ``libcuda.so.1``, can be loaded here."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
 def entry_points(cuda_h: Path) -> list[str]:
     """Every driver entry point ``cuda.h`` declares or maps a name to, sorted."""
     text = _strip_comments(Path(cuda_h).read_text(errors="replace"))

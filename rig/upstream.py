@@ -7,7 +7,6 @@ is a different tree from the git tag (the sdist drops ``.github/`` and adds
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -20,6 +19,7 @@ from rig import atomic
 from rig.console import INDENT, say
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
+from rig.hashing import sha256_file
 
 DEFAULT_GIT_URL = "https://github.com/vllm-project/vllm.git"
 # Fixed dates make the sdist base commit the same object on every machine.
@@ -90,14 +90,6 @@ def index_link(index_url: str, filename: str) -> tuple[str, str]:
                            "check [upstream].version, or set INDEX_URL to an index that has it"))
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | None,
                pin_name: str) -> tuple[Path, str]:
     """A vLLM file from the index, checked against its sha256; cached, so a warm cache needs no network.
@@ -105,18 +97,18 @@ def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | Non
     Returns the path and its sha256. ``pinned_sha`` (series.toml's ``pin_name``) must agree with the index.
     """
     path = Path(cache) / "dist" / filename
-    if path.exists() and pinned_sha and sha256_of(path) == pinned_sha:
+    if path.exists() and pinned_sha and sha256_file(path) == pinned_sha:
         say(f"{filename}: {path} (cached, sha256 ok)")
         return path, pinned_sha
     link, sha = index_link(index_url, filename)
     if pinned_sha and sha != pinned_sha:
         raise BadInput(problem(f"sha256 of {filename} at {index_url}", f"{pinned_sha} (series.toml {pin_name})",
                                sha, f"use the official index, or update {pin_name} after checking the file"))
-    if path.exists() and sha256_of(path) == sha:
+    if path.exists() and sha256_file(path) == sha:
         say(f"{filename}: {path} (cached, sha256 ok)")
         return path, sha
     _download(link, path)
-    found = sha256_of(path)
+    found = sha256_file(path)
     if found != sha:
         bad = path.with_name(path.name + ".bad")
         os.replace(path, bad)

@@ -16,16 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rig import cudastub  # noqa: E402 - standard library only, like this file
-
-
-def driver_loadable() -> bool:
-    import ctypes
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
-
+from rig.cudastub import driver_loadable  # noqa: E402
 
 try:
     import pytest

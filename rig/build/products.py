@@ -11,7 +11,6 @@ trusted.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import tomli_w
 from rig import atomic
 from rig.errors import WorkFailed
 from rig.gitutil import Git
+from rig.hashing import sha256_file
 
 RECORD = ".build-products"
 SUMS = ".build-products.sha256"
@@ -32,14 +32,6 @@ SKIP_PARTS = {"__pycache__"}
 class Record:
     facts: dict  # tree, ops_obj, route, arch, torch, python, ...
     files: dict[str, dict] = field(default_factory=dict)  # rel path -> {sha256, size, mtime_ns}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def product_paths(vllm_dir: Path) -> list[str]:

@@ -8,8 +8,6 @@ a link-time stub is written beside the toolkit in the venv (rig/cudastub.py).
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import re
 import subprocess
 from dataclasses import dataclass
@@ -20,7 +18,9 @@ from rig.build.pipeline import Context, Status, Step
 from rig.build.venv import site_packages
 from rig.config import Settings
 from rig.console import say
+from rig.cudastub import driver_loadable
 from rig.errors import BadInput, problem
+from rig.hashing import sha256_file
 
 SYSTEM_CUDA = Path("/usr/local/cuda")
 
@@ -90,14 +90,6 @@ def find_toolkit(s: Settings, major: int) -> Toolkit:
                            "install the toolkit (the lock's nvidia-cuda-nvcc wheel) or set CUDA_HOME"))
 
 
-def driver_loadable() -> bool:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
-
-
 def in_venv(s: Settings, tk: Toolkit) -> bool:
     return tk.root.resolve().is_relative_to(s.venv_dir.resolve())
 
@@ -121,10 +113,6 @@ def dev_links(tk: Toolkit) -> int:
             link.symlink_to(f.name)
             made += 1
     return made
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class ToolchainStep(Step):
@@ -172,5 +160,5 @@ class ToolchainStep(Step):
 
     def _outputs(self, s: Settings, tc: str, tk: Toolkit, driver: bool, stub: str, n: int) -> dict:
         return {"cuda_home": str(tk.root), "nvcc": str(tk.nvcc), "nvcc_version": tk.version, "torch_cuda": tc,
-                "driver": driver, "cuda_h_sha256": _sha(tk.cuda_h) if tk.cuda_h.exists() else "",
+                "driver": driver, "cuda_h_sha256": sha256_file(tk.cuda_h) if tk.cuda_h.exists() else "",
                 "cuda_stub": stub if not driver else "", "stub_entries": n if not driver else 0}
