@@ -109,6 +109,8 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
     names = sorted(sums)
     total = sum((vllm_dir / n).stat().st_size for n in names)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".*.tmp"):  # left by a pack that was killed; never part of a set
+        stale.unlink(missing_ok=True)
     zstd = shutil.which("zstd") if compression in (None, "zstd") else None
     if compression == "zstd" and not zstd:
         raise WorkFailed("packing with zstd needs the zstd program. Fix: apt-get install -y zstd")

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -97,6 +98,33 @@ def test_current_and_repack_when_a_file_is_gone(packed, tmp_path):
     (packed / "ops.sha256").unlink()
     assert "ops.sha256 is missing" in artifacts.current(packed, facts, sums)
     assert "ops_obj" in artifacts.current(packed, {**facts, "ops_obj": "c" * 64}, sums)
+
+
+def test_a_pack_killed_half_way_leaves_the_old_complete_set(packed, tmp_path):
+    tree = tmp_path / "tree"
+    sums_before = (tree / ".build-products.sha256").read_text()
+    facts = {k: FACTS[k] for k in ("ops_obj", "route", "arch")}
+    big = tree / "vllm" / "big.so"
+    with open(big, "wb") as fh:  # enough data that the pack takes a while
+        for _ in range(96):
+            fh.write(os.urandom(1 << 20))
+    (tree / ".build-products.sha256").write_text(sums_before + f"{artifacts.sha256_file(big)}  vllm/big.so\n")
+    code = (f"from rig import artifacts; from pathlib import Path; artifacts.pack(Path({str(tree)!r}), "
+            f"Path({str(packed)!r}), {FACTS!r}, progress=False, compression='gzip')")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 30
+    while not list(packed.glob(".*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    p.kill()
+    p.wait()
+    assert list(packed.glob(".*.tmp")), "the pack was killed before it started writing"
+    assert artifacts.current(packed, facts, sums_before) == ""  # the old set: complete and trusted
+    dest = tmp_path / "dest"
+    assert verify_cli(packed, dest).returncode == 0 and not (dest / "vllm" / "big.so").exists()
+    artifacts.pack(tree, packed, FACTS, progress=False)
+    assert not list(packed.glob(".*.tmp"))
+    assert artifacts.read_manifest(packed / "manifest.toml")["files"] == 4
 
 
 # -- the hostile suite: every case is refused with exit 2 and nothing lands outside the scratch folder ----
