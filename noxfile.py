@@ -50,6 +50,16 @@ def verify(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def logs(session: nox.Session) -> None:
+    """Show the engine's stats lines, one coloured line per update (./vllm-logs.sh)."""
+    from rig import logs
+
+    code = logs.main(session.posargs)
+    if code:
+        sys.exit(code)
+
+
+@nox.session(**WORK)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
     _rig(session, "lock")

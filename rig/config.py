@@ -52,6 +52,8 @@ VARS: tuple[Var, ...] = (
     Var("CUDA_HOME", "unset",
         "A system CUDA toolkit to use; unset: the NVIDIA wheels in the venv, then /usr/local/cuda."),
     Var("ARTIFACTS_DIR", "artifacts", "Where step 8 writes the kernels tarball, its sha256 list and manifest."),
+    Var("LOG", "/var/log/vllm.log", "The engine's log file; empty keeps the output on the terminal."),
+    Var("VLLM_CONTAINER", "vllm", "The container `./vllm-logs.sh` reads with `docker logs` when not given `-f`."),
     Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI."),
 )
 
@@ -87,6 +89,8 @@ class Settings:
     runtime_lock: Path
     cuda_home: Path | None
     artifacts_dir: Path
+    log: str  # "" keeps the output on the terminal
+    container: str
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -151,6 +155,8 @@ def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> 
         runtime_lock=_path(env, "RUNTIME_LOCK", Path("scripts/runtime.lock"), root),
         cuda_home=Path(env["CUDA_HOME"].strip()) if env.get("CUDA_HOME", "").strip() else None,
         artifacts_dir=_path(env, "ARTIFACTS_DIR", Path("artifacts"), root),
+        log=env.get("LOG", "/var/log/vllm.log").strip(),
+        container=env.get("VLLM_CONTAINER", "").strip() or "vllm",
     )
 
 

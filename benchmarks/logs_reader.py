@@ -1,0 +1,86 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = []
+# ///
+"""The log reader: lines parsed per second on a 1,000,000-line log against `wc -l` of the same file,
+and follow-mode latency from a write to the printed line (targets >= 300k lines/s, <= 200 ms).
+
+  uv run benchmarks/logs_reader.py [--lines 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import timed  # noqa: E402
+
+from rig import logs  # noqa: E402
+
+STATS = ("(APIServer pid=41) INFO 12-02 18:{m:02d}:{s:02d} [loggers.py:260] Engine 000: Avg prompt throughput: "
+         "2254.6 tokens/s, Avg generation throughput: 131.8 tokens/s, Running: {i} reqs, Waiting: 0 reqs, "
+         "GPU KV cache usage: 3.2%, Prefix cache hit rate: 38.5%")
+SPEC = ("(APIServer pid=41) INFO 12-02 18:00:00 [metrics.py:90] SpecDecoding metrics: Mean acceptance length: 2.71, "
+        "Accepted throughput: 81.40 tokens/s, Drafted throughput: 142.80 tokens/s, Accepted: 814 tokens, Drafted: "
+        "1428 tokens, Per-position acceptance rate: 0.871, 0.552, 0.287, Avg Draft acceptance rate: 57.0%")
+OTHER = "(APIServer pid=41) INFO 12-02 18:00:00 [logger.py:39] Received request chatcmpl-1234: prompt: 'hi'"
+
+
+def make_log(path: Path, n: int) -> None:
+    with open(path, "w") as fh:
+        for i in range(n // 3):
+            fh.write(STATS.format(m=(i // 60) % 60, s=i % 60, i=i % 8) + "\n" + SPEC + "\n" + OTHER + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lines", type=int, default=1_000_000)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "vllm.log"
+        make_log(log, a.lines)
+        n = sum(1 for _ in open(log, "rb"))
+        wc = timed(lambda: subprocess.run(["wc", "-l", str(log)], check=True, capture_output=True))
+        counts = {"stats": 0, "unparsed": 0}
+
+        def read_all() -> None:
+            with open(log, encoding="utf-8", errors="replace") as fh:
+                for _ in logs.lines_of((logs.parse(x) for x in fh), logs.Palette(False), counts):
+                    pass
+
+        t = timed(read_all)
+        print(f"parse + render of {n:,} lines ({counts['stats']:,} stats updates): {t:.2f} s, {n / t:,.0f} lines/s"
+              f"  | wc -l: {wc:.3f} s, {n / wc:,.0f} lines/s  | ratio {t / wc:.0f}x wc's time  | target >= 300,000")
+
+        live = Path(tmp) / "live.log"
+        live.write_text("")
+        p = subprocess.Popen([sys.executable, "-m", "rig.logs", "-f", "-n", "0"], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, env={**os.environ, "LOG": str(live), "PYTHONUNBUFFERED": "1"})
+        time.sleep(1.0)
+        lat = []
+        with open(live, "a") as fh:
+            for i in range(20):
+                t0 = time.perf_counter()
+                fh.write(STATS.format(m=0, s=i, i=i) + "\n" + SPEC + "\n")
+                fh.flush()
+                p.stdout.readline()
+                lat.append(time.perf_counter() - t0)
+                time.sleep(0.1)
+        p.terminate()
+        p.wait()
+        print(f"follow latency, write to printed line, 20 updates: median {statistics.median(lat) * 1000:.0f} ms, "
+              f"max {max(lat) * 1000:.0f} ms  | target <= 200 ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""vLLM's log, read as one coloured line per engine stats update (``./vllm-logs.sh``).
+
+vLLM writes a stats line every ``VLLM_LOG_STATS_INTERVAL`` seconds while the
+engine is busy, and a SpecDecoding line right after it when speculative
+decoding is on. This module parses both (with their optional parts), merges
+them into one line, passes the engine's warnings and errors through, marked,
+and prints the KV capacity line once. File names and line numbers in the
+prefix move between vLLM versions, so nothing keys on them.
+
+Sources: ``docker logs --since 10m <container>`` (the default), or the log
+file with ``-f``, followed across rotation (renamed or truncated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+PREFIX = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[[^\]]*\] (.*)$")
+STATS_MARK = "Avg prompt throughput:"
+SPEC_MARK = "SpecDecoding metrics:"
+CAPACITY = re.compile(r"(\w+) KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per "
+                      r"request: ([\d.]+)x")
+NUM = r"(nan|[-+]?\d+(?:\.\d+)?)"
+STATS_FIELDS = {  # key in the line -> our name; the value's first word is the number
+    "Avg prompt throughput": "prompt", "Avg generation throughput": "gen", "Running": "running",
+    "Waiting": "waiting", "Deferred": "deferred", "Preemptions": "preempted", "Corrupted": "corrupted",
+    "Prefix cache hit rate": "prefix_hit", "External prefix cache hit rate": "ext_prefix_hit",
+    "MM cache hit rate": "mm_hit",
+}
+STATS_RE = re.compile(
+    r"Avg prompt throughput: (?P<prompt>\S+) tokens/s, Avg generation throughput: (?P<gen>\S+) tokens/s, "
+    r"Running: (?P<running>\d+) reqs, Waiting: (?P<waiting>\d+) reqs(?:, Deferred: (?P<deferred>\d+) reqs)?"
+    r"(?:, Preemptions: (?P<preempted>\d+))?(?:, [^,]*?)*?, (?P<device>\w+) KV cache usage: (?P<kv>\S+)%, "
+    r"Prefix cache hit rate: (?P<prefix_hit>\S+)%(?:, (?P<tail>.*))?$")
+SPEC_LEN = re.compile(r"Mean acceptance length: " + NUM)
+SPEC_RATE = re.compile(r"Avg Draft acceptance rate: " + NUM + "%")
+MARKS = re.compile("|".join(re.escape(x) for x in (STATS_MARK, SPEC_MARK, "KV cache size", "WARNING", "ERROR",
+                                                   "CRITICAL")))
+
+
+@dataclass
+class Event:
+    kind: str  # stats | spec | capacity | warning | error
+    time: str
+    data: dict = field(default_factory=dict)
+    text: str = ""
+
+
+def _num(v: str) -> float:
+    return float("nan") if v == "nan" else float(v)
+
+
+def parse_stats(msg: str) -> dict | None:
+    """The fields of a stats message, or None when a required one is missing or malformed.
+
+    One regex takes the required parts in their order (unknown optional parts may stand between
+    them); the optional tail is read part by part.
+    """
+    m = STATS_RE.search(msg)
+    if not m:
+        return None
+    try:
+        out: dict = {k: float(v) for k, v in m.groupdict().items() if v is not None and k not in ("device", "tail")}
+        out["device"] = m["device"]
+        for part in m["tail"].split(", ") if m["tail"] else ():
+            key, sep, value = part.partition(": ")
+            if sep and (name := STATS_FIELDS.get(key)):
+                out[name] = float(value.split(" ", 1)[0].rstrip("%"))
+    except ValueError:
+        return None
+    if msg.startswith("Engine "):
+        out["engine"] = msg.split(":", 1)[0].split()[-1]
+    return out
+
+
+def parse(line: str) -> Event | None:
+    """One log line -> an Event, or None for lines the reader does not show."""
+    if not MARKS.search(line):  # most lines: one scan, no parse
+        return None
+    if "\x1b" in line:
+        line = ANSI.sub("", line)
+    m = PREFIX.search(line.rstrip("\r\n"))
+    if not m:
+        return None
+    level, when, msg = m[1], m[2], m[3]
+    if STATS_MARK in msg:
+        data = parse_stats(msg)
+        return Event("stats", when, data) if data else Event("bad", when, text=msg)
+    if SPEC_MARK in msg:
+        ln, rate = SPEC_LEN.search(msg), SPEC_RATE.search(msg)
+        if not ln or not rate:
+            return Event("bad", when, text=msg)
+        return Event("spec", when, {"accept_len": _num(ln[1]), "accept_rate": _num(rate[1])})
+    if c := CAPACITY.search(msg):
+        return Event("capacity", when, {"device": c[1], "tokens": int(c[2].replace(",", "")),
+                                        "context": int(c[3].replace(",", "")), "concurrency": float(c[4])})
+    if level in ("WARNING", "ERROR", "CRITICAL"):
+        return Event("error" if level != "WARNING" else "warning", when, text=msg)
+    return None
+
+
+class Palette:
+    def __init__(self, color: bool) -> None:
+        self.on = color
+
+    def __call__(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.on else text
+
+
+def _pct(v: float) -> str:
+    return "nan" if v != v else f"{v:.1f}%"
+
+
+def render(stats: Event, spec: Event | None, c: Palette) -> str:
+    d = stats.data
+    prompt, gen = f"{d['prompt']:8.1f}", f"{d['gen']:7.1f}"
+    parts = [c("2", stats.time), f"prompt {c('36', prompt)} tok/s", f"gen {c('32', gen)} tok/s",
+             f"run {int(d['running'])}", f"wait {int(d['waiting'])}"]
+    if d.get("deferred"):
+        parts.append(c("33", f"deferred {int(d['deferred'])}"))
+    if d.get("preempted"):
+        parts.append(c("31", f"preempted {int(d['preempted'])}"))
+    kv = d["kv"]
+    parts.append(f"KV {c('31' if kv >= 90 else '33' if kv >= 70 else '0', _pct(kv))}")
+    parts.append(f"prefix hit {_pct(d['prefix_hit'])}")
+    if spec:
+        al, ar = spec.data["accept_len"], spec.data["accept_rate"]
+        parts.append(f"MTP len {'nan' if al != al else f'{al:.2f}'} accept {_pct(ar)}")
+    return "  ".join(parts)
+
+
+def lines_of(events: Iterable[Event | None], c: Palette, counts: dict[str, int]) -> Iterator[str]:
+    """Rendered lines: a stats event waits for the SpecDecoding line that may follow it."""
+    pending: Event | None = None
+    capacity_shown = False
+    for ev in events:
+        if ev is None:  # a line the reader does not show, or a pause in follow mode: flush
+            if pending:
+                yield render(pending, None, c)
+                pending = None
+            continue
+        if ev.kind == "spec" and pending:
+            yield render(pending, ev, c)
+            pending = None
+            continue
+        if pending:
+            yield render(pending, None, c)
+            pending = None
+        if ev.kind == "stats":
+            counts["stats"] += 1
+            pending = ev
+        elif ev.kind == "bad":
+            counts["unparsed"] += 1
+        elif ev.kind == "capacity" and not capacity_shown:
+            capacity_shown = True
+            d = ev.data
+            yield c("1", f"{ev.time}  {d['device']} KV cache: {d['tokens']:,} tokens, "
+                         f"{d['concurrency']:.2f}x concurrency at {d['context']:,} tokens per request")
+        elif ev.kind in ("warning", "error"):
+            yield f"{ev.time}  {c('31' if ev.kind == 'error' else '33', ev.kind.upper())} {ev.text}"
+    if pending:
+        yield render(pending, None, c)
+
+
+def follow(path: Path, start_lines: int, poll: float = 0.05, stop: float | None = None) -> Iterator[str | None]:
+    """The last ``start_lines`` lines of ``path``, then every new line, across rotation.
+
+    Yields None when nothing arrived for a poll interval (so a waiting stats line is flushed).
+    A line cut in half by a write in progress is held until its newline arrives.
+    """
+    fh = open(path, "rb")
+    ino = os.fstat(fh.fileno()).st_ino
+    yield from _tail(fh, start_lines)
+    buf = b""
+    deadline = None if stop is None else time.monotonic() + stop
+    while deadline is None or time.monotonic() < deadline:
+        chunk = fh.read(1 << 16)
+        if chunk:
+            buf += chunk
+            *done, buf = buf.split(b"\n")
+            for raw in done:
+                yield raw.decode("utf-8", "replace")
+            continue
+        yield None
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            time.sleep(poll)  # renamed away, the new file not there yet
+            continue
+        if st.st_ino != ino or st.st_size < fh.tell():  # rotated (renamed) or truncated (copytruncate)
+            rest = fh.read()  # whatever the writer added before the rotation
+            buf += rest
+            *done, buf = buf.split(b"\n")
+            for raw in done:
+                yield raw.decode("utf-8", "replace")
+            fh.close()
+            fh = open(path, "rb")
+            ino = os.fstat(fh.fileno()).st_ino
+            continue
+        time.sleep(poll)
+
+
+def _tail(fh: IO[bytes], n: int) -> list[str]:
+    """The last ``n`` complete lines of an open file; leaves the file at its end."""
+    fh.seek(0, os.SEEK_END)
+    end = fh.tell()
+    size, data = 0, b""
+    while end - size > 0 and data.count(b"\n") <= n:
+        size = min(end, size + (1 << 16))
+        fh.seek(end - size)
+        data = fh.read(size)
+    fh.seek(end)
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    elif lines:  # an unfinished last line: left for follow() to complete
+        fh.seek(end - len(lines.pop()))
+    return [ln.decode("utf-8", "replace") for ln in lines[-n:]] if n else []
+
+
+def docker_lines(container: str, since: str) -> Iterator[str]:
+    try:
+        proc = subprocess.Popen(["docker", "logs", "--since", since, container], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace")
+    except FileNotFoundError:
+        raise SystemExit2(f"docker: not found; expected the docker client to read the container {container!r}. "
+                          "Fix: read the log file instead: ./vllm-logs.sh -f") from None
+    assert proc.stdout
+    first = True
+    for line in proc.stdout:
+        if first and ("No such container" in line or "Cannot connect to the Docker daemon" in line):
+            proc.wait()
+            raise SystemExit2(f"container {container!r}: expected a running container, found: {line.strip()}. "
+                              "Fix: docker compose up -d, set VLLM_CONTAINER, or read the file: ./vllm-logs.sh -f")
+        first = False
+        yield line
+    proc.wait()
+
+
+class SystemExit2(Exception):
+    """Bad input for the log reader: one line, exit 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rig import config
+
+    s = config.settings()
+    ap = argparse.ArgumentParser(prog="vllm-logs.sh", description="vLLM's stats lines, one coloured line per update.")
+    ap.add_argument("-f", "--follow", action="store_true", help=f"follow the log file (LOG, now {s.log or 'unset'})")
+    ap.add_argument("-n", "--lines", type=int, default=None, help="start from the last N lines (default 500 with -f)")
+    ap.add_argument("--since", default="10m", help="with docker: how far back (default 10m)")
+    ap.add_argument("--file", help="read this file instead of LOG")
+    a = ap.parse_args(argv)
+    color = Palette(sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    counts = {"stats": 0, "unparsed": 0}
+    try:
+        if a.follow or a.file:
+            path = Path(a.file or s.log or "")
+            if not a.file and not s.log:
+                raise SystemExit2("LOG is empty: expected the log file's path for -f. Fix: LOG=/var/log/vllm.log")
+            if not path.is_file():
+                raise SystemExit2(f"{path}: expected the engine's log file, found no such file. "
+                                  "Fix: start the server (./start.sh), or point LOG / --file at its log")
+            n = a.lines if a.lines is not None else 500
+            raw: Iterable[str | None] = follow(path, n) if a.follow else _tail(open(path, "rb"), n)
+        else:
+            raw = docker_lines(s.container, a.since)
+        events = (parse(x) if x is not None else None for x in raw)
+        for out in lines_of(events, color, counts):
+            print(out, flush=True)
+    except SystemExit2 as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    if counts["unparsed"]:
+        print(f"vllm-logs: {counts['unparsed']} stats line(s) could not be parsed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
