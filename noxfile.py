@@ -1,6 +1,8 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["nox>=2025.11.12", "GitPython>=3.1.40", "requests>=2.31", "tomli-w>=1.0", "psutil>=5.9"]
+# dependencies = [
+#   "nox>=2025.11.12", "GitPython>=3.1.40", "requests>=2.31", "tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12",
+# ]
 # ///
 """The rig's jobs, one session each; every session is a few lines over rig/."""
 
@@ -57,6 +59,14 @@ def logs(session: nox.Session) -> None:
     code = logs.main(session.posargs)
     if code:
         sys.exit(code)
+
+
+@nox.session(**WORK)
+def doctor(session: nox.Session) -> None:
+    """Report the box: GPUs, driver, PCIe, P2P, power, RAM, /dev/shm, disk, port, checkpoint."""
+    from rig import box, config
+
+    print("\n".join(box.doctor(config.settings())))
 
 
 @nox.session(**WORK)

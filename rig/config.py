@@ -54,6 +54,12 @@ VARS: tuple[Var, ...] = (
     Var("ARTIFACTS_DIR", "artifacts", "Where step 8 writes the kernels tarball, its sha256 list and manifest."),
     Var("LOG", "/var/log/vllm.log", "The engine's log file; empty keeps the output on the terminal."),
     Var("VLLM_CONTAINER", "vllm", "The container `./vllm-logs.sh` reads with `docker logs` when not given `-f`."),
+    Var("CKPT", "/data/models/halt95/Swift1.5-Qwen3.8-Flash-Next-W4A16-Merlin",
+        "The checkpoint folder on the host (with its `config.json`)."),
+    Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint."),
+    Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface."),
+    Var("PORT", "8000", "The port the API listens on."),
+    Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order."),
     Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI."),
 )
 
@@ -90,6 +96,11 @@ class Settings:
     cuda_home: Path | None
     artifacts_dir: Path
     log: str  # "" keeps the output on the terminal
+    ckpt: Path
+    scales: Path | None  # None: $CKPT/qsa_kv_scales.json (or the older name)
+    host: str
+    port: int
+    visible: str
     container: str
 
 
@@ -109,6 +120,28 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise BadInput(problem(name, "a whole number >= 1", repr(raw), f"set {name}={default} or unset it"))
     return int(raw)
+
+
+def _port(env: Mapping[str, str]) -> int:
+    raw = env.get("PORT", "").strip() or "8000"
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise BadInput(problem("PORT", "a port number from 1 to 65535", repr(raw), "set PORT=8000, or unset it"))
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class BoxProfile:
+    """What the reference box needs: four free 24 GB cards of one model, and room around them."""
+
+    gpus: int = 4
+    gpu_memory_gb: float = 24.0
+    cuda: tuple[int, int] = (13, 0)
+    ram_gib: float = 96.0  # the PLE table alone takes 69 GiB of host RAM
+    shm_gb: float = 1.0
+    disk_gb: float = 30.0  # for the build
+
+
+REFERENCE_BOX = BoxProfile()
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
@@ -157,6 +190,11 @@ def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> 
         artifacts_dir=_path(env, "ARTIFACTS_DIR", Path("artifacts"), root),
         log=env.get("LOG", "/var/log/vllm.log").strip(),
         container=env.get("VLLM_CONTAINER", "").strip() or "vllm",
+        ckpt=Path(env.get("CKPT", "").strip() or "/data/models/halt95/Swift1.5-Qwen3.8-Flash-Next-W4A16-Merlin"),
+        scales=Path(env["SCALES"].strip()) if env.get("SCALES", "").strip() else None,
+        host=env.get("HOST", "").strip() or "127.0.0.1",
+        port=_port(env),
+        visible=env.get("CUDA_VISIBLE_DEVICES", "0,1,2,3").strip(),
     )
 
 

@@ -119,6 +119,19 @@ def test_fixture_kernel_compiled_by_the_ops_step_for_sm90_runs_on_the_gpu(tmp_pa
     assert "cuda_add(40, 2) = 42" in run.stdout
 
 
+def test_nvml_reading_and_doctor_on_the_real_driver() -> None:
+    """The real NVML path of rig/box.py: every card read, and the doctor report printed for the note."""
+    from rig import box, config
+
+    r = box.read_nvml()
+    assert r.gpus and r.cuda_driver >= 13000 and r.driver
+    g = r.gpus[0]
+    assert g.memory_total > 0 and g.pcie_width_max > 0 and g.compute_capability[0] >= 7
+    lines = box.doctor(config.settings({"CUDA_VISIBLE_DEVICES": ""}))
+    print("\n".join(lines))
+    assert lines[0].startswith("driver ") and any(ln.startswith("pass  GPUs") or "GPUs" in ln for ln in lines)
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

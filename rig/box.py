@@ -1,0 +1,250 @@
+"""Test the box: GPUs, driver, RAM, /dev/shm, disk, port, checkpoint and its KV scales.
+
+GPU facts come from NVML (nvidia-ml-py), never from parsing nvidia-smi; memory from psutil.
+The requirements are one profile (``rig.config.REFERENCE_BOX``). Each check is one line:
+what, expected, found, and the fix when it fails. ``nox -s doctor`` prints them all with the
+PCIe link, power limit and P2P status of every card: what a bug report wants.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import socket
+from dataclasses import dataclass, field
+
+from rig.config import REFERENCE_BOX, BoxProfile, Settings
+
+P2P_STATUS = {0: "ok", 1: "chipset not supported", 2: "GPU not supported", 3: "IOH topology not supported",
+              4: "disabled by regkey", 5: "not supported", 6: "unknown"}
+SCALES_NAMES = ("qsa_kv_scales.json", "qsa_kv_scales_swift.json")
+
+
+@dataclass
+class Gpu:
+    index: int
+    name: str
+    pci_bus_id: str
+    memory_total: int
+    memory_used: int
+    compute_capability: tuple[int, int]
+    pcie_gen_cur: int
+    pcie_gen_max: int
+    pcie_width_cur: int
+    pcie_width_max: int
+    power_limit_mw: int
+    compute_processes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Reading:
+    driver: str
+    cuda_driver: int  # 13000 = CUDA 13.0
+    gpus: list[Gpu]
+    p2p: dict[tuple[int, int], str]
+
+
+class NoDriver(Exception):
+    """NVML could not be loaded: no NVIDIA driver on this machine."""
+
+
+def read_nvml() -> Reading:
+    """What NVML says about every card (in PCI bus order)."""
+    import pynvml as nv
+
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as exc:
+        raise NoDriver(f"{type(exc).__name__}: {exc}") from None
+    try:
+        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+        gpus = []
+        for i, h in enumerate(handles):
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+
+            def opt(fn, *a, default=0):
+                try:
+                    return fn(*a)
+                except nv.NVMLError:
+                    return default
+
+            name = nv.nvmlDeviceGetName(h)
+            bus = nv.nvmlDeviceGetPciInfo(h).busId
+            gpus.append(Gpu(
+                index=i, name=name.decode() if isinstance(name, bytes) else name,
+                pci_bus_id=bus.decode() if isinstance(bus, bytes) else bus,
+                memory_total=mem.total, memory_used=mem.used,
+                compute_capability=tuple(nv.nvmlDeviceGetCudaComputeCapability(h)),
+                pcie_gen_cur=opt(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                pcie_gen_max=opt(nv.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                pcie_width_cur=opt(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
+                pcie_width_max=opt(nv.nvmlDeviceGetMaxPcieLinkWidth, h),
+                power_limit_mw=opt(nv.nvmlDeviceGetEnforcedPowerLimit, h),
+                compute_processes=[p.pid for p in opt(nv.nvmlDeviceGetComputeRunningProcesses, h, default=[])],
+            ))
+        p2p = {}
+        for a, b in itertools.permutations(range(len(handles)), 2):
+            try:
+                code = nv.nvmlDeviceGetP2PStatus(handles[a], handles[b], nv.NVML_P2P_CAPS_INDEX_READ)
+            except nv.NVMLError:
+                code = 6
+            p2p[(a, b)] = P2P_STATUS.get(code, "unknown")
+        driver = nv.nvmlSystemGetDriverVersion()
+        return Reading(driver.decode() if isinstance(driver, bytes) else driver, nv.nvmlSystemGetCudaDriverVersion(),
+                       sorted(gpus, key=lambda g: g.pci_bus_id), p2p)
+    finally:
+        nv.nvmlShutdown()
+
+
+def reading_from_json(data: dict) -> Reading:
+    """A recorded NVML reading (the shape of shared/reference/nvml-h200.json) for tests and bug reports."""
+    gpus = [Gpu(index=d["index"], name=d["name"], pci_bus_id=d["pci_bus_id"], memory_total=d["memory_total"],
+                memory_used=d["memory_used"], compute_capability=tuple(d["compute_capability"]),
+                pcie_gen_cur=d["pcie_gen_cur"], pcie_gen_max=d["pcie_gen_max"], pcie_width_cur=d["pcie_width_cur"],
+                pcie_width_max=d["pcie_width_max"], power_limit_mw=d.get("enforced_power_limit_mw", 0),
+                compute_processes=list(d.get("compute_processes", []))) for d in data["devices"]]
+    p2p = {(int(a), int(b)): s for key, s in data.get("p2p", {}).items() for a, b in [key.split("-")]}
+    return Reading(data["driver"], data["cuda_driver"], gpus, p2p)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # pass | fail | warn
+    expected: str
+    found: str
+    fix: str = ""
+
+    def line(self) -> str:
+        tail = f". Fix: {self.fix}" if self.status != "pass" and self.fix else ""
+        return f"{self.status:4}  {self.name}: expected {self.expected}, found {self.found}{tail}"
+
+
+def visible(reading: Reading, spec: str) -> list[Gpu]:
+    """The cards CUDA_VISIBLE_DEVICES names (indices in PCI bus order), those that exist."""
+    want = [int(x) for x in spec.split(",") if x.strip().isdigit()] if spec else [g.index for g in reading.gpus]
+    by_pos = {i: g for i, g in enumerate(reading.gpus)}
+    return [by_pos[i] for i in want if i in by_pos]
+
+
+def gpu_checks(reading: Reading | None, s: Settings, profile: BoxProfile = REFERENCE_BOX,
+               why: str = "") -> list[Check]:
+    if reading is None:
+        return [Check("NVIDIA driver", "fail", "NVML (the driver's libnvidia-ml.so.1)", f"none ({why})",
+                      "install the NVIDIA driver, or run on the GPU host")]
+    out = []
+    major, minor = divmod(reading.cuda_driver // 10, 100)
+    want = f"CUDA {profile.cuda[0]}.{profile.cuda[1]} or newer"
+    out.append(Check("driver", "pass" if (major, minor) >= profile.cuda else "fail", want,
+                     f"driver {reading.driver}, CUDA {major}.{minor}", "update the NVIDIA driver"))
+    cards = visible(reading, s.visible)
+    out.append(Check("GPUs", "pass" if len(cards) >= profile.gpus else "fail",
+                     f"{profile.gpus} cards in CUDA_VISIBLE_DEVICES={s.visible or 'all'}",
+                     f"{len(cards)} ({len(reading.gpus)} on the box)",
+                     "add cards, or set CUDA_VISIBLE_DEVICES to the free ones"))
+    names = sorted({g.name for g in cards})
+    out.append(Check("card models", "pass" if len(names) <= 1 else "fail", "one model", ", ".join(names) or "none",
+                     "set CUDA_VISIBLE_DEVICES to cards of one model"))
+    for g in cards:
+        gb = g.memory_total / 1e9
+        out.append(Check(f"GPU {g.index} memory", "pass" if gb >= profile.gpu_memory_gb * 0.95 else "fail",
+                         f">= {profile.gpu_memory_gb:.0f} GB", f"{gb:.1f} GB ({g.name})", "use cards of 24 GB or more"))
+        out.append(Check(f"GPU {g.index} free", "fail" if g.compute_processes else "pass", "no compute process",
+                         f"pids {', '.join(map(str, g.compute_processes))}" if g.compute_processes else "none",
+                         "stop the other process (nox -s stop if it is an earlier engine)"))
+    return out
+
+
+def host_checks(s: Settings, profile: BoxProfile = REFERENCE_BOX) -> list[Check]:
+    import psutil
+
+    out = []
+    ram = psutil.virtual_memory().total / 2**30
+    out.append(Check("RAM", "pass" if ram >= profile.ram_gib else "fail", f">= {profile.ram_gib:.0f} GiB",
+                     f"{ram:.1f} GiB", "the PLE table needs 69 GiB of host RAM: add memory"))
+    try:
+        shm = shutil.disk_usage("/dev/shm").total / 1e9
+    except FileNotFoundError:
+        shm = 0.0
+    out.append(Check("/dev/shm", "pass" if shm >= profile.shm_gb else "fail", f">= {profile.shm_gb:.0f} GB",
+                     f"{shm:.2f} GB", "mount a larger /dev/shm (docker: --shm-size=16g)"))
+    free = shutil.disk_usage(s.root).free / 1e9
+    out.append(Check("disk", "pass" if free >= profile.disk_gb else "warn", f">= {profile.disk_gb:.0f} GB free",
+                     f"{free:.0f} GB free at {s.root}", "free disk space for the build"))
+    out.append(port_check(s))
+    out += model_checks(s)
+    return out
+
+
+def port_check(s: Settings) -> Check:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((s.host, s.port))
+            return Check("port", "pass", f"{s.host}:{s.port} free", "free")
+        except OSError as exc:
+            return Check("port", "fail", f"{s.host}:{s.port} free", f"in use ({exc.strerror})",
+                         "stop what listens there, or set PORT")
+
+
+def model_checks(s: Settings) -> list[Check]:
+    ckpt = s.ckpt
+    if not ckpt.is_dir():
+        return [Check("checkpoint", "fail", f"a folder at CKPT={ckpt}", "no such folder",
+                      "set CKPT to the checkpoint folder")]
+    if not (ckpt / "config.json").is_file():
+        return [Check("checkpoint", "fail", f"{ckpt}/config.json", "no config.json",
+                      "point CKPT at the checkpoint folder itself")]
+    out = [Check("checkpoint", "pass", "a folder with config.json", str(ckpt))]
+    if s.scales:
+        ok = s.scales.is_file()
+        out.append(Check("KV scales", "pass" if ok else "fail", f"the FP8 KV scales at SCALES={s.scales}",
+                         "present" if ok else "no such file", "set SCALES to this checkpoint's sidecar"))
+        return out
+    new, old = (ckpt / n for n in SCALES_NAMES)
+    if new.is_file():
+        out.append(Check("KV scales", "pass", f"{new.name} in the checkpoint", str(new)))
+    elif old.is_file():
+        out.append(Check("KV scales", "warn", f"{new.name} in the checkpoint", f"the older name {old.name}",
+                         f"it is used; rename it to {new.name} to silence this"))
+    else:
+        out.append(Check("KV scales", "fail", f"{new.name} in {ckpt}", "none",
+                         "copy this checkpoint's FP8 KV scales there, or set SCALES "
+                         "(another checkpoint's will not do)"))
+    return out
+
+
+def report(reading: Reading | None) -> list[str]:
+    """The per-card facts a bug report wants: PCIe link, power limit, memory, P2P."""
+    if reading is None:
+        return []
+    major, minor = divmod(reading.cuda_driver // 10, 100)
+    lines = [f"driver {reading.driver}, CUDA {major}.{minor}, {len(reading.gpus)} card(s)"]
+    for g in reading.gpus:
+        lines.append(f"GPU {g.index} {g.name} [{g.pci_bus_id}] sm_{g.compute_capability[0]}{g.compute_capability[1]}"
+                     f", {g.memory_total / 2**30:.1f} GiB ({g.memory_used / 2**30:.1f} used), PCIe gen "
+                     f"{g.pcie_gen_cur}/{g.pcie_gen_max} x{g.pcie_width_cur}/{g.pcie_width_max}, power limit "
+                     f"{g.power_limit_mw / 1000:.0f} W")
+    for (a, b), st in sorted(reading.p2p.items()):
+        if a < b:
+            lines.append(f"P2P {a} <-> {b}: {st}")
+    return lines
+
+
+def doctor(s: Settings) -> list[str]:
+    """Every check and fact as lines; a box with no driver says so in one line and reports the rest."""
+    try:
+        reading, why = read_nvml(), ""
+    except NoDriver as exc:
+        reading, why = None, str(exc)
+    out = []
+    if reading is None:
+        out.append(f"no NVIDIA driver here: NVML could not be loaded ({why}); the GPU checks are skipped")
+        checks = host_checks(s)
+    else:
+        out += report(reading)
+        checks = gpu_checks(reading, s) + host_checks(s)
+    out += [c.line() for c in checks]
+    fails = sum(c.status == "fail" for c in checks)
+    out.append(f"{len(checks)} checks: {fails} failed, {sum(c.status == 'warn' for c in checks)} warned")
+    return out

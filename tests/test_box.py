@@ -1,0 +1,114 @@
+"""The box check on recorded NVML readings (the reference file's shape), and on this machine's host facts."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from rig import box, config
+
+REFERENCE = ROOT.parent / "shared" / "reference" / "nvml-h200.json"
+RTX3090 = {"index": 0, "name": "NVIDIA GeForce RTX 3090", "uuid": "GPU-x", "pci_bus_id": "00000000:01:00.0",
+           "memory_total": 25769803776, "memory_used": 300 << 20, "memory_free": 0, "compute_capability": [8, 6],
+           "pcie_gen_cur": 4, "pcie_gen_max": 4, "pcie_width_cur": 16, "pcie_width_max": 16,
+           "power_limit_mw": 350000, "enforced_power_limit_mw": 285000, "compute_processes": []}
+
+
+def three090s(n: int = 4, changes: dict | None = None) -> dict:
+    devs = []
+    for i in range(n):
+        d = {**RTX3090, "index": i, "pci_bus_id": f"00000000:{i + 1:02x}:00.0"}
+        d.update((changes or {}).get(i, {}))
+        devs.append(d)
+    p2p = {f"{a}-{b}": "not supported" for a in range(n) for b in range(n) if a != b}
+    return {"driver": "580.159.04", "cuda_driver": 13000, "devices": devs, "p2p": p2p}
+
+
+def settings(**env) -> config.Settings:
+    return config.settings({"CUDA_VISIBLE_DEVICES": "0,1,2,3", **env})
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_reference_box_passes_the_gpu_checks():
+    checks = box.gpu_checks(box.reading_from_json(three090s()), settings())
+    assert all(c.status == "pass" for c in checks), [c.line() for c in checks if c.status != "pass"]
+
+
+def test_the_recorded_h200_reading_parses_and_is_one_card_short_of_four():
+    if not REFERENCE.exists():
+        pytest.skip("no shared/reference here")
+    r = box.reading_from_json(json.loads(REFERENCE.read_text()))
+    assert r.gpus[0].name == "NVIDIA H200" and r.cuda_driver == 13000
+    c = by_name(box.gpu_checks(r, settings()))
+    assert c["GPUs"].status == "fail" and c["GPUs"].found.startswith("1 ")
+    assert c["driver"].status == "pass" and "CUDA 13.0" in c["driver"].found
+    assert "PCIe gen 5/5 x16/16" in box.report(r)[1] and "power limit 700 W" in box.report(r)[1]
+
+
+@pytest.mark.parametrize("case,reading,check,want", [
+    ("too few GPUs", three090s(2), "GPUs", "expected 4 cards"),
+    ("mixed models", three090s(4, {3: {"name": "NVIDIA GeForce RTX 3080"}}), "card models", "RTX 3080"),
+    ("a card busy", three090s(4, {1: {"compute_processes": [4242]}}), "GPU 1 free", "pids 4242"),
+    ("old driver", {**three090s(), "cuda_driver": 12080}, "driver", "CUDA 12.8"),
+    ("small card", three090s(4, {2: {"memory_total": 12 << 30}}), "GPU 2 memory", "12.9 GB"),
+])
+def test_bad_boxes_fail_one_check_each_with_a_fix(case, reading, check, want):
+    checks = box.gpu_checks(box.reading_from_json(reading), settings())
+    failed = [c for c in checks if c.status == "fail"]
+    assert [c.name for c in failed] == [check], case
+    line = failed[0].line()
+    assert want in line and "expected" in line and "Fix:" in line
+
+
+def test_no_driver_is_one_line():
+    c = box.gpu_checks(None, settings(), why="NVMLError_LibraryNotFound")
+    assert len(c) == 1 and "NVMLError_LibraryNotFound" in c[0].line() and "Fix:" in c[0].line()
+
+
+def test_visible_devices_pick_cards_in_bus_order():
+    r = box.reading_from_json(three090s())
+    assert [g.index for g in box.visible(r, "2,0")] == [2, 0]
+
+
+def test_checkpoint_and_scales(tmp_path):
+    ck = tmp_path / "ckpt"
+    assert by_name(box.model_checks(settings(CKPT=str(ck))))["checkpoint"].status == "fail"
+    ck.mkdir()
+    assert "no config.json" in box.model_checks(settings(CKPT=str(ck)))[0].found
+    (ck / "config.json").write_text("{}")
+    c = by_name(box.model_checks(settings(CKPT=str(ck))))
+    assert c["KV scales"].status == "fail" and "another checkpoint's will not do" in c["KV scales"].fix
+    (ck / "qsa_kv_scales_swift.json").write_text("{}")
+    c = by_name(box.model_checks(settings(CKPT=str(ck))))
+    assert c["KV scales"].status == "warn" and "older name" in c["KV scales"].found
+    (ck / "qsa_kv_scales.json").write_text("{}")
+    assert by_name(box.model_checks(settings(CKPT=str(ck))))["KV scales"].status == "pass"
+    c = by_name(box.model_checks(settings(CKPT=str(ck), SCALES=str(tmp_path / "none.json"))))
+    assert c["KV scales"].status == "fail" and "none.json" in c["KV scales"].expected
+
+
+def test_port_in_use_and_bad_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        c = box.port_check(settings(PORT=str(port)))
+    assert c.status == "fail" and str(port) in c.expected and "set PORT" in c.fix
+    with pytest.raises(config.BadInput) as e:
+        settings(PORT="http")
+    assert "PORT" in e.value.message and "'http'" in e.value.message and e.value.code == 2
+
+
+def test_doctor_here_reports_the_missing_driver_in_one_line_and_the_rest():
+    lines = box.doctor(settings(CKPT=str(Path("/nonexistent"))))
+    if lines[0].startswith("no NVIDIA driver here"):
+        assert "NVML" in lines[0]
+    assert any(ln.startswith(("pass  RAM", "fail  RAM")) for ln in lines)
+    assert lines[-1].endswith("warned")
