@@ -54,19 +54,13 @@ def verify(session: nox.Session) -> None:
 @nox.session(**WORK)
 def logs(session: nox.Session) -> None:
     """Show the engine's stats lines, one coloured line per update (./vllm-logs.sh)."""
-    from rig import logs
-
-    code = logs.main(session.posargs)
-    if code:
-        sys.exit(code)
+    _rig(session, "logs")
 
 
 @nox.session(**WORK)
 def doctor(session: nox.Session) -> None:
     """Report the box: GPUs, driver, PCIe, P2P, power, RAM, /dev/shm, disk, port, checkpoint."""
-    from rig import box, config
-
-    print("\n".join(box.doctor(config.settings())))
+    _rig(session, "doctor")
 
 
 @nox.session(**WORK)

@@ -96,6 +96,27 @@ def verify(argv: Sequence[str]) -> int:
     return _guard(go)
 
 
+def logs(argv: Sequence[str]) -> int:
+    """``./vllm-logs.sh``: the engine's stats lines, one coloured line per update."""
+    from rig import logs as reader
+
+    return reader.main(list(argv))
+
+
+def doctor(argv: Sequence[str]) -> int:
+    """``nox -s doctor``: the box report."""
+    argparse.ArgumentParser(prog="nox -s doctor --", description="Report the box: every check, pass/fail/warn, "
+                            "and the facts of every card.").parse_args(argv)
+
+    def go() -> int:
+        from rig import box
+
+        print("\n".join(box.doctor(config.settings())))
+        return 0
+
+    return _guard(go)
+
+
 def lock(argv: Sequence[str]) -> int:
     """``nox -s lock``: regenerate the hash-pinned runtime lock."""
     p = argparse.ArgumentParser(prog="nox -s lock --", description="Regenerate RUNTIME_LOCK with uv pip compile "
@@ -135,7 +156,8 @@ def _guard(fn: Callable[[], int]) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m rig.cli COMMAND [ARGS]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"build": build, "tree": tree, "lock": lock, "pack": pack, "verify": verify}
+    commands = {"build": build, "tree": tree, "lock": lock, "pack": pack, "verify": verify,
+                "logs": logs, "doctor": doctor}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
         raise SystemExit(2)

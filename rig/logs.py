@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit2("LOG is empty: expected the log file's path for -f. Fix: LOG=/var/log/vllm.log")
             if not path.is_file():
                 raise SystemExit2(f"{path}: expected the engine's log file, found no such file. "
-                                  "Fix: start the server (./start.sh), or point LOG / --file at its log")
+                                  "Fix: point LOG or --file at the engine's log (is the server started?)")
             n = a.lines if a.lines is not None else 500
             raw: Iterable[str | None] = follow(path, n) if a.follow else _tail(open(path, "rb"), n)
         else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import tarfile
 import time
@@ -172,6 +171,3 @@ def new_repo(path: Path) -> Git:
     repo.run("init", "--quiet")
     return repo
 
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -49,17 +49,14 @@ def installed_vllm(s: Settings) -> tuple[str | None, str]:
     return version, ""
 
 
-def _needed(path: Path) -> list[str]:
+def _dynamic(path: Path) -> tuple[list[str], list[Path]]:
+    """An ELF file's NEEDED libraries and its RUNPATH/RPATH folders, from one ``readelf -d``."""
     out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
-    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
-
-
-def _runpaths(path: Path) -> list[Path]:
-    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
     dirs = []
     for m in re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", out):
         dirs += [Path(d.replace("$ORIGIN", str(path.parent))) for d in m.split(":") if d]
-    return dirs
+    return needed, dirs
 
 
 def _system_libs() -> set[str]:
@@ -80,11 +77,12 @@ def link_check(s: Settings, rec: products.Record) -> list[str]:
             if fh.read(4) != b"\x7fELF":
                 continue
         checked += 1
-        for lib in _needed(path):
+        needed, runpaths = _dynamic(path)
+        for lib in needed:
             if lib == DRIVER:  # the driver: present on the GPU host, a link stub on a build box
                 drivers.append(rel)
                 continue
-            if lib in venv_libs or lib in system or any((d / lib).exists() for d in _runpaths(path)):
+            if lib in venv_libs or lib in system or any((d / lib).exists() for d in runpaths):
                 continue
             problems.append(f"{rel} needs {lib}, found neither in {s.venv_dir} nor on the system")
     say(f"link layer: {checked} ELF file(s) checked; {DRIVER} (the driver, not in the venv) is needed by "

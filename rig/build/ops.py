@@ -248,7 +248,8 @@ class OpsStep(Step):
 
     def _outputs(self, s: Settings, rec: products.Record) -> dict:
         return {"route": rec.facts["route"], "ops_obj": rec.facts["ops_obj"], "products": len(rec.files),
-                "record": str(s.vllm_dir / products.RECORD), "version": rec.facts["version"]}
+                "record": str(s.vllm_dir / products.RECORD), "version": rec.facts["version"],
+                "arch": rec.facts.get("arch", ""), "python": rec.facts.get("python", "3.13")}
 
 
 def _clear_precompiled(vllm_dir: Path) -> None:

@@ -21,16 +21,16 @@ OFFICIAL_ARCHS = "7.5 8.0 8.6 8.9 9.0 10.0 12.0"
 
 def target_facts(s: Settings, ctx: Context) -> dict:
     """What this build's kernels are for: the manifest's fields, and what verify checks."""
+    # The ops step's outputs carry the build record's facts: no second parse of the record here.
     tree, ops, tc = ctx.outputs_of("tree"), ctx.outputs_of("ops"), ctx.outputs_of("toolchain")
-    rec = products.read(s.vllm_dir)
-    if rec is None or not ops:
+    if not ops or not (s.vllm_dir / products.RECORD).exists():
         raise BadInput(problem(f"the build record {s.vllm_dir / products.RECORD}", "present (the ops step ran)",
                                "none", "run ./build.sh first"))
-    route = rec.facts["route"]
+    route = ops["route"]
     return {
-        "ops_obj": rec.facts["ops_obj"], "tree": tree.get("head", rec.facts.get("tree", "")), "route": route,
-        "arch": OFFICIAL_ARCHS if route == "precompiled" else " ".join(rec.facts.get("arch", s.arch).split(";")),
-        "python": rec.facts.get("python", "3.13"), "cuda": str(tc.get("torch_cuda", "")).split(".")[0],
+        "ops_obj": ops["ops_obj"], "tree": tree.get("head", ""), "route": route,
+        "arch": OFFICIAL_ARCHS if route == "precompiled" else " ".join((ops.get("arch") or s.arch).split(";")),
+        "python": ops.get("python", "3.13"), "cuda": str(tc.get("torch_cuda", "")).split(".")[0],
         "torch": installed(s).get("torch", ""),
     }
 

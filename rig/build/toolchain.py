@@ -23,6 +23,8 @@ from rig.errors import BadInput, problem
 from rig.hashing import sha256_file
 
 SYSTEM_CUDA = Path("/usr/local/cuda")
+#: The recorded outputs that decide whether the step is current (the stub is checked on disk).
+INPUTS = ("cuda_home", "nvcc", "nvcc_version", "torch_cuda", "driver", "cuda_h_sha256")
 
 
 @dataclass
@@ -132,9 +134,11 @@ class ToolchainStep(Step):
         s = ctx.settings
         tc, tk, driver = self._inputs(s)
         rec = ctx.outputs_of(self.name)
-        want = self._outputs(s, tc, tk, driver, rec.get("cuda_stub", ""), rec.get("stub_entries", 0))
-        if not rec or {k: rec.get(k) for k in want} != want:
-            return Status(False, "the toolkit, torch or the driver changed" if rec else "not set up yet")
+        if not rec:
+            return Status(False, "not set up yet")
+        now = self._outputs(s, tc, tk, driver, "", 0)
+        if any(rec.get(k) != now[k] for k in INPUTS):
+            return Status(False, "the toolkit, torch or the driver changed")
         if not driver and not Path(rec["cuda_stub"]).exists():
             return Status(False, f"the driver stub {rec['cuda_stub']} is gone")
         self._say(tk, tc, driver, rec.get("cuda_stub", ""))
