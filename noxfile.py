@@ -64,6 +64,24 @@ def doctor(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def start(session: nox.Session) -> None:
+    """Serve: build if needed, check the box, choose the topology, start vllm serve, wait healthy (./start.sh)."""
+    _rig(session, "start")
+
+
+@nox.session(**WORK)
+def stop(session: nox.Session) -> None:
+    """Stop the engine: SIGTERM to its process group, SIGKILL after STOP_TIMEOUT, none left behind."""
+    _rig(session, "stop")
+
+
+@nox.session(**WORK)
+def status(session: nox.Session) -> None:
+    """Report the engine: pid, uptime, port, health (one-token generation), KV cache line."""
+    _rig(session, "status")
+
+
+@nox.session(**WORK)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
     _rig(session, "lock")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import itertools
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rig.config import REFERENCE_BOX, BoxProfile, Settings
 
@@ -212,6 +214,26 @@ def model_checks(s: Settings) -> list[Check]:
                          "copy this checkpoint's FP8 KV scales there, or set SCALES "
                          "(another checkpoint's will not do)"))
     return out
+
+
+def scales_path(s: Settings) -> Path | None:
+    """The FP8 KV scales sidecar the engine gets: SCALES, else the checkpoint's (new name, then the old one)."""
+    if s.scales:
+        return s.scales
+    return next((s.ckpt / n for n in SCALES_NAMES if (s.ckpt / n).is_file()), None)
+
+
+def start_checks(s: Settings, profile: BoxProfile | None = None,
+                 reader: Callable[[], Reading] | None = None) -> tuple[Reading | None, list[Check]]:
+    """What start needs of the box: the NVML reading (None without a driver) and every check."""
+    from rig import config
+
+    profile = profile or config.REFERENCE_BOX
+    try:
+        reading, why = (reader or read_nvml)(), ""
+    except NoDriver as exc:
+        reading, why = None, str(exc)
+    return reading, gpu_checks(reading, s, profile, why) + host_checks(s, profile)
 
 
 def report(reading: Reading | None) -> list[str]:

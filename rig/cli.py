@@ -117,6 +117,69 @@ def doctor(argv: Sequence[str]) -> int:
     return _guard(go)
 
 
+def _serve_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    lines = ["variables (from the environment):"]
+    lines += [f"  {v.name:24} default {v.default.replace('`', '')}" for v in config.VARS]
+    return argparse.ArgumentParser(prog=prog, description=description, epilog="\n".join(lines),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def start(argv: Sequence[str]) -> int:
+    """``./start.sh``: build if needed, test the box, choose the topology, start the engine, prove it healthy."""
+    p = _serve_parser("start.sh", "Serve the built vLLM: build on a first run, check the box, choose the topology, "
+                      "start `vllm serve` under supervision and wait for a one-token generation.")
+    p.add_argument("ckpt", nargs="?", metavar="CKPT", help="the checkpoint folder (default: the CKPT variable)")
+    p.add_argument("--foreground", action="store_true",
+                   help="stay attached until the engine ends (systemd, the container); LOG= implies it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the box report, the topology, the command and its environment; start nothing")
+    p.add_argument("--no-build", action="store_true", help="serve what is built without checking the build")
+    p.add_argument("--skip-box-check", action="store_true",
+                   help="start on a box unlike the reference one (the engine fails on its own if it cannot run)")
+    p.add_argument("--clear-cache", action="store_true",
+                   help="empty CACHE_ROOT first (compile caches a crash left corrupt or locked)")
+    a = p.parse_args(argv)
+
+    def go() -> int:
+        import os
+
+        from rig import serve
+
+        env = dict(os.environ)
+        if a.ckpt:
+            env["CKPT"] = a.ckpt
+        return serve.start(env, foreground=a.foreground, dry_run=a.dry_run, build=not a.no_build,
+                           box_check=not a.skip_box_check, clear_cache=a.clear_cache)
+
+    return _guard(go)
+
+
+def stop(argv: Sequence[str]) -> int:
+    """``nox -s stop``: SIGTERM the engine's process group, SIGKILL after STOP_TIMEOUT, confirm none is left."""
+    _serve_parser("nox -s stop --", "Stop the engine: SIGTERM to its whole process group, SIGKILL after "
+                  "STOP_TIMEOUT seconds, then check that no process of it is left.").parse_args(argv)
+
+    def go() -> int:
+        from rig import supervise
+
+        return supervise.stop(config.settings(), config.serve_settings())
+
+    return _guard(go)
+
+
+def status(argv: Sequence[str]) -> int:
+    """``nox -s status``: pid, uptime, health, port, the KV cache line."""
+    _serve_parser("nox -s status --", "Report the engine: pid, uptime, port, health (a one-token generation) and "
+                  "the KV cache line. Exit 0 healthy, 1 running but not healthy, 3 not running.").parse_args(argv)
+
+    def go() -> int:
+        from rig import supervise
+
+        return supervise.status(config.settings(), config.serve_settings())
+
+    return _guard(go)
+
+
 def lock(argv: Sequence[str]) -> int:
     """``nox -s lock``: regenerate the hash-pinned runtime lock."""
     p = argparse.ArgumentParser(prog="nox -s lock --", description="Regenerate RUNTIME_LOCK with uv pip compile "
@@ -157,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m rig.cli COMMAND [ARGS]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"build": build, "tree": tree, "lock": lock, "pack": pack, "verify": verify,
-                "logs": logs, "doctor": doctor}
+                "logs": logs, "doctor": doctor, "start": start, "stop": stop, "status": status}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
         raise SystemExit(2)

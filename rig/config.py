@@ -60,7 +60,25 @@ VARS: tuple[Var, ...] = (
     Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface."),
     Var("PORT", "8000", "The port the API listens on."),
     Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order."),
-    Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI."),
+    Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI, "
+        "the engine's pid file."),
+    Var("MODEL_NAME", "qwen38-flash-next", "The served model name (a request's `model`); spaces make aliases."),
+    Var("VLLM_API_KEY", "empty", "The API key; empty: no authentication. Reaches vLLM through its environment, "
+        "never the command line."),
+    Var("CACHE_ROOT", ".vllm-cache", "One cache root for vLLM, Triton, TorchInductor and FlashInfer "
+        "(`./start.sh --clear-cache` empties it)."),
+    Var("MAX_SEQS", "4", "Concurrent requests; CUDA graphs are captured up to `MAX_SEQS` x 4 tokens (MTP K=3)."),
+    Var("MAX_BATCHED_TOKENS", "2048", "The prefill chunk in tokens, and the KV block size; must be >= `MAX_SEQS`."),
+    Var("VLLM_LOG_STATS_INTERVAL", "1", "Seconds between the engine's stats lines (vLLM's own default is 10)."),
+    Var("PLE_HOME", "0", "The card that hosts the PLE offload (the series reads it)."),
+    Var("QWEN38_ABLITERATION", "Qwen3.8-Flash-Next-Uncensored",
+        "Refusal-direction removal at run time (the series reads it); empty turns it off."),
+    Var("ABLITERATION_DIR", "abliteration", "The folder with the refusal-direction files."),
+    Var("GUARD", "warn", "Bounds-guard telemetry of the series: `off`, `warn` or `raise`."),
+    Var("COUNTERS", "0", "`1` adds the series' kernel counters to the log."),
+    Var("START_TIMEOUT", "1800", "Seconds `./start.sh` waits for the first healthy answer (a first start "
+        "compiles CUDA graphs)."),
+    Var("STOP_TIMEOUT", "20", "Seconds `nox -s stop` waits after SIGTERM before it sends SIGKILL."),
 )
 
 VAR_NAMES = frozenset(v.name for v in VARS)
@@ -144,6 +162,26 @@ class BoxProfile:
 REFERENCE_BOX = BoxProfile()
 
 
+def _index(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return default
+    if not raw.isdigit():
+        raise BadInput(problem(name, "a card index (0, 1, ...)", repr(raw), f"set {name}={default} or unset it"))
+    return int(raw)
+
+
+def _seconds(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name, "").strip() or default
+    try:
+        ok = float(raw) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BadInput(problem(name, "a number of seconds > 0", repr(raw), f"set {name}={default} or unset it"))
+    return raw
+
+
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
     raw = env.get(name, "").strip() or choices[0]
     if raw not in choices:
@@ -195,6 +233,58 @@ def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> 
         host=env.get("HOST", "").strip() or "127.0.0.1",
         port=_port(env),
         visible=env.get("CUDA_VISIBLE_DEVICES", "0,1,2,3").strip(),
+    )
+
+
+GUARDS = ("warn", "off", "raise")
+
+
+@dataclass(frozen=True)
+class Serve:
+    """The variables only the serve path reads (a bad one never blocks a build)."""
+
+    names: tuple[str, ...]
+    api_key: str
+    cache_root: Path
+    max_seqs: int
+    max_batched_tokens: int
+    stats_interval: str
+    ple_home: int
+    abliteration: str
+    abliteration_dir: Path
+    guard: str
+    counters: bool
+    start_timeout: int
+    stop_timeout: int
+
+
+def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Serve:
+    """Read and check the serve variables."""
+    env = os.environ if env is None else env
+    root = REPO_ROOT if root is None else Path(root)
+    names = tuple((env.get("MODEL_NAME", "") or "qwen38-flash-next").split())
+    if not names:
+        raise BadInput(problem("MODEL_NAME", "one or more names", "only spaces", "set MODEL_NAME=qwen38-flash-next"))
+    max_seqs = _int(env, "MAX_SEQS", 4)
+    batched = _int(env, "MAX_BATCHED_TOKENS", 2048)
+    if batched < max_seqs:
+        raise BadInput(problem("MAX_BATCHED_TOKENS", f">= MAX_SEQS ({max_seqs}): a prefill step must fit every "
+                               "running request", str(batched), f"raise MAX_BATCHED_TOKENS to at least {max_seqs} "
+                               "(2048 is the default), or lower MAX_SEQS"))
+    return Serve(
+        names=names,
+        api_key=env.get("VLLM_API_KEY", "").strip(),
+        cache_root=_path(env, "CACHE_ROOT", Path(".vllm-cache"), root),
+        max_seqs=max_seqs,
+        max_batched_tokens=batched,
+        stats_interval=_seconds(env, "VLLM_LOG_STATS_INTERVAL", "1"),
+        ple_home=_index(env, "PLE_HOME", 0),
+        abliteration=env.get("QWEN38_ABLITERATION", "Qwen3.8-Flash-Next-Uncensored").strip(),
+        abliteration_dir=_path(env, "ABLITERATION_DIR", Path("abliteration"), root),
+        guard=_choice(env, "GUARD", GUARDS),
+        counters=_flag(env, "COUNTERS", False),
+        start_timeout=_int(env, "START_TIMEOUT", 1800),
+        stop_timeout=_int(env, "STOP_TIMEOUT", 20),
     )
 
 

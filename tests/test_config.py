@@ -57,6 +57,6 @@ def test_bad_value_exits_2_from_the_command_line():
 
 def test_every_variable_the_code_reads_is_in_the_table():
     text = (ROOT / "rig/config.py").read_text()
-    read = set(re.findall(r'(?:_int|_flag|_path|_choice)\(env, "([A-Z][A-Z0-9_]+)"', text))
+    read = set(re.findall(r'(?:_int|_flag|_path|_choice|_index|_seconds)\(env, "([A-Z][A-Z0-9_]+)"', text))
     read |= set(re.findall(r'env\.get\("([A-Z][A-Z0-9_]+)"', text))
     assert read == config.VAR_NAMES

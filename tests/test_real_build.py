@@ -64,6 +64,31 @@ def test_installed_vllm_runs_the_patched_tree(fresh):
     assert r.stdout.splitlines()[0] == str(dest / "vllm/vllm/entrypoints/serve/exposure.py")
 
 
+def test_the_engine_command_parses_under_the_real_vllm_serve_parser(fresh):
+    import json
+
+    from rig import config, engine, topology
+
+    dest, _, env = fresh
+    s = config.settings({"VENV_DIR": str(dest / ".venv")}, root=dest)
+    v = config.serve_settings({"MODEL_NAME": "qwen38-flash-next Hinata"}, root=dest)
+    four = topology.choose([0, 1, 2, 3], {(a, b): "not supported" for a in range(4) for b in range(4) if a != b})
+    eng = engine.command(s, v, four, Path("/models/scales.json"))
+    assert eng.argv[:2] == [str(dest / ".venv/bin/vllm"), "serve"]
+    r = subprocess.run([str(dest / ".venv/bin/python"), str(ROOT / "tests/vllm_parse.py"), *eng.argv[1:]],
+                       capture_output=True, text=True, env={**env, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["model_tag"] == str(s.ckpt) and got["served_model_name"] == ["qwen38-flash-next", "Hinata"]
+    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"]) == (2, 2)
+    assert got["enable_expert_parallel"] and got["disable_custom_all_reduce"]
+    assert got["kv_cache_dtype"] == "fp8" and got["max_model_len"] == 262144
+    assert (got["max_num_seqs"], got["max_num_batched_tokens"], got["block_size"]) == (4, 2048, 2048)
+    assert got["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert "'max_cudagraph_capture_size': 16" in got["compilation_config"]
+    assert got["api_key"] is None and (got["host"], got["port"]) == ("127.0.0.1", 8000)
+
+
 def test_second_build_does_no_work(fresh):
     dest, _, env = fresh
     r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True)

@@ -12,7 +12,7 @@ from conftest import ROOT
 from rig import config
 from rig.build.pipeline import ORDER
 
-WRAPPERS = ["build.sh", "vllm-logs.sh", "scripts/nox.sh", "scripts/gen-cuda-stub.sh"]
+WRAPPERS = ["build.sh", "start.sh", "vllm-logs.sh", "scripts/nox.sh", "scripts/gen-cuda-stub.sh"]
 
 
 def test_wrappers_are_thin():
@@ -59,3 +59,13 @@ def test_every_session_has_a_one_line_docstring():
     for f in sessions:
         doc = ast.get_docstring(f)
         assert doc and "\n" not in doc, f.name
+
+
+def test_start_help_names_its_switches_and_the_variables(tmp_path):
+    r = subprocess.run([str(ROOT / "start.sh"), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    for switch in ("--foreground", "--dry-run", "--no-build", "--skip-box-check", "--clear-cache", "CKPT"):
+        assert switch in r.stdout
+    for name in ("MODEL_NAME", "VLLM_API_KEY", "MAX_SEQS", "GUARD", "STOP_TIMEOUT"):
+        assert name in r.stdout

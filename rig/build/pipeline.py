@@ -185,6 +185,22 @@ def run(steps: Sequence[Step], s: Settings, options: Options, only: Sequence[str
     return record
 
 
+def first_stale(steps: Sequence[Step], s: Settings, upto: str = "install") -> tuple[str, str] | None:
+    """(step, reason) of the first step up to ``upto`` whose output is not current, or None: what start asks."""
+    record = load_record(s)
+    if not record:
+        return "tools", f"no build record at {record_path(s)} (a first run)"
+    ctx = Context(s, Options(), record)
+    for st in steps:
+        status = st.check(ctx)
+        if not status.current:
+            return st.name, status.reason
+        _store(record, st.name, status.outputs)
+        if st.name == upto:
+            break
+    return None
+
+
 def _store(record: dict, name: str, outputs: dict) -> bool:
     """Keep a step's outputs in the record; True when they changed."""
     entry = record.setdefault("steps", {}).get(name)

@@ -1,0 +1,87 @@
+"""The exact ``vllm serve`` command line and environment for the reference model.
+
+A pure function of the settings and the topology, so the dry run, the supervisor, the tests
+and the parse check under vLLM's real argument parser all see the same command. The API key
+travels in the environment only: a command line is readable by every user of the box.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rig.config import Serve, Settings
+from rig.topology import Topology, engine_args
+
+#: The context length of the reference model, in tokens.
+MAX_MODEL_LEN = 262_144
+#: MTP speculative decoding: K draft tokens per step.
+MTP_K = 3
+#: Variables the series defines; the rig checks their shape and passes them on unchanged.
+SERIES_VARS = ("PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS", "SCALES")
+SECRET = "VLLM_API_KEY"
+
+
+@dataclass(frozen=True)
+class Engine:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # what the rig sets on top of the caller's environment
+
+    def full_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        return {**(os.environ if base is None else base), **self.env}
+
+    def shown(self) -> list[str]:
+        """The command and the variables the rig sets, the key masked: what a dry run prints."""
+        out = ["command: " + shlex.join(self.argv), "environment:"]
+        for k, v in sorted(self.env.items()):
+            out.append(f"  {k}={'<set, ' + str(len(v)) + ' characters>' if k == SECRET and v else shlex.quote(v)}")
+        return out
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    """One cache root for every compile cache, so a crash-corrupted one is one folder to clear."""
+    return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TRITON_CACHE_DIR": str(root / "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "FLASHINFER_WORKSPACE_BASE": str(root / "flashinfer")}
+
+
+def command(s: Settings, v: Serve, t: Topology, scales: Path | None) -> Engine:
+    """The ``vllm serve`` argv and the environment the rig adds for it."""
+    argv = [str(s.venv_dir / "bin" / "vllm"), "serve", str(s.ckpt),
+            "--served-model-name", *v.names,
+            "--host", s.host, "--port", str(s.port),
+            *engine_args(t),
+            "--kv-cache-dtype", "fp8",
+            "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(v.max_seqs),
+            "--max-num-batched-tokens", str(v.max_batched_tokens),
+            "--block-size", str(v.max_batched_tokens),
+            "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": MTP_K}),
+            # Each decode step of a request carries 1 + K tokens: graphs up to MAX_SEQS x (1 + K) cover them all.
+            "--compilation-config", json.dumps({"max_cudagraph_capture_size": v.max_seqs * (1 + MTP_K)})]
+    env = {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, t.order)),
+        "VLLM_LOG_STATS_INTERVAL": v.stats_interval,
+        "PYTHONUNBUFFERED": "1",  # log lines reach the file as they happen, not at exit
+        **cache_env(v.cache_root),
+        **t.env,
+        "PLE_HOME": str(v.ple_home),
+        "QWEN38_ABLITERATION": v.abliteration,
+        "ABLITERATION_DIR": str(v.abliteration_dir),
+        "GUARD": v.guard,
+        "COUNTERS": "1" if v.counters else "0",
+    }
+    if scales is not None:
+        env["SCALES"] = str(scales)
+    if v.api_key:
+        env[SECRET] = v.api_key
+    return Engine(argv, env)
+
+
+def open_to_network(host: str) -> bool:
+    """True when the address is reachable from other machines (anything but loopback)."""
+    return not (host == "localhost" or host.startswith("127.") or host == "::1")

@@ -1,0 +1,91 @@
+"""The serve path in order: build if needed, box check, topology, engine command, supervised start.
+
+Each stage lives in its own module (``rig.box``, ``rig.topology``, ``rig.engine``,
+``rig.supervise``); this one only strings them together the way ``./start.sh`` runs them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+
+from rig import box, config, engine, supervise, topology
+from rig.build import pipeline
+from rig.build.steps import steps
+from rig.console import say, warn
+from rig.errors import BadInput, problem
+
+
+def _build_if_needed(s: config.Settings, dry_run: bool) -> None:
+    t0 = time.monotonic()
+    stale = pipeline.first_stale(steps(), s)
+    if stale is None:
+        say(f"build: current ({time.monotonic() - t0:.2f} s to check)")
+        return
+    step, reason = stale
+    if dry_run:
+        say(f"build: step {step} is not current ({reason}); a real start runs ./build.sh first")
+        return
+    say(f"build: step {step} is not current ({reason}): running ./build.sh first")
+    opts = pipeline.Options(pack=s.pack)
+    with pipeline.BuildLock(s, "start"):
+        pipeline.run(steps(), s, opts)
+
+
+def _cards(s: config.Settings, reading: box.Reading | None) -> tuple[list[int], dict]:
+    if reading is not None:
+        return [g.index for g in box.visible(reading, s.visible)], reading.p2p
+    want = [int(x) for x in s.visible.split(",") if x.strip().isdigit()]
+    return want or [0], {}  # no reading: assume no P2P, the safe switches
+
+
+def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool, box_check: bool,
+          clear_cache: bool) -> int:
+    """``./start.sh``; returns the exit status."""
+    s = config.settings(env)
+    v = config.serve_settings(env)
+    if not dry_run and (rec := supervise.load(s)):
+        if foreground or not s.log:
+            raise BadInput(problem("the engine", "not running", f"pid {rec.pid} on {rec.host}:{rec.port}",
+                                   "nox -s stop, then start again"))
+        say(supervise.running_message(rec))
+        return 0
+    if build:
+        _build_if_needed(s, dry_run)
+    if box_check:
+        reading, checks = box.start_checks(s)
+        failed = [c for c in checks if c.status == "fail"]
+        for c in checks:
+            if dry_run or c.status != "pass":
+                print(f"      {c.line()}", file=sys.stderr if c.status != "pass" else sys.stdout, flush=True)
+        if failed:
+            raise BadInput(f"the box check: {len(failed)} of {len(checks)} checks failed (each is above, with its "
+                           "fix); nox -s doctor lists them all, ./start.sh --skip-box-check starts anyway")
+        say(f"box: {len(checks)} checks passed" + (f", {sum(c.status == 'warn' for c in checks)} warned"
+                                                    if any(c.status == "warn" for c in checks) else ""))
+    else:
+        try:
+            reading = box.read_nvml()
+        except box.NoDriver:
+            reading = None
+        say("box: check skipped (--skip-box-check)")
+    cards, p2p = _cards(s, reading)
+    topo = topology.choose(cards, p2p)
+    say(f"topology: TP{topo.tp} x PP{topo.pp}{' + EP' if topo.ep else ''} on cards "
+        f"{','.join(map(str, topo.order))}: {topo.why}")
+    eng = engine.command(s, v, topo, box.scales_path(s))
+    if engine.open_to_network(s.host) and not v.api_key:
+        warn(f"HOST={s.host} with an empty VLLM_API_KEY: the API is OPEN to the network, anyone who reaches "
+             f"port {s.port} can use it. Set VLLM_API_KEY, or HOST=127.0.0.1")
+    if dry_run:
+        for line in eng.shown():
+            print(f"      {line}")
+        say(f"log: {s.log or 'the terminal (LOG is empty)'}; mode: "
+            f"{'foreground' if foreground or not s.log else 'detached'}; dry run: nothing started")
+        return 0
+    if clear_cache and v.cache_root.exists():
+        shutil.rmtree(v.cache_root)
+        say(f"cache: emptied {v.cache_root}")
+    return supervise.start(supervise.Launch(s, v, eng, foreground=foreground or not s.log))

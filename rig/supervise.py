@@ -1,0 +1,444 @@
+"""Start, stop and report the engine process; prove it healthy.
+
+The engine runs in its own session (so its process group holds the API server, EngineCore
+and the workers), with a pid file (``RIG_STATE/engine.toml``) naming the group. Healthy means
+a one-token chat completion succeeded: ``/v1/models`` is a static list that answers 200 while
+the engine is dead. Stop is SIGTERM to the whole group, a wait, SIGKILL, and then a check
+that no process of it is left: vLLM's EngineCore and workers outlive a SIGKILL of the server.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
+
+import tomli_w
+
+from rig import atomic, logs
+from rig.config import Serve, Settings
+from rig.console import error, say, warn
+from rig.engine import Engine
+from rig.errors import BadInput, WorkFailed, problem
+
+#: Milestones of a vLLM start worth showing while waiting (besides the capacity line, warnings, errors).
+MILESTONES = re.compile(r"Loading weights took|Model loading took|torch\.compile takes|Capturing CUDA graphs|"
+                        r"Graph capturing finished|init engine .* took|Starting vLLM API server|"
+                        r"Application startup complete|Traceback \(most recent call last\)")
+HEARTBEAT = 15.0  # seconds between "still waiting" lines
+POLL = 0.25
+
+
+@dataclass
+class Record:
+    """What the pid file says about a running engine."""
+
+    pid: int
+    pgid: int
+    create_time: float  # psutil's, so a reused pid is not mistaken for the engine
+    started: float
+    host: str
+    port: int
+    model: str
+    log: str
+    supervisor: int = 0  # the foreground supervisor's pid, 0 when detached
+    ready: float = 0.0
+    capacity: str = ""
+
+
+def pid_path(s: Settings) -> Path:
+    return s.state_dir / "engine.toml"
+
+
+def load(s: Settings) -> Record | None:
+    """The pid file's record if its process still runs; a stale file is removed."""
+    import psutil
+
+    path = pid_path(s)
+    try:
+        rec = Record(**tomllib.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (tomllib.TOMLDecodeError, TypeError):
+        path.unlink(missing_ok=True)
+        return None
+    try:
+        if abs(psutil.Process(rec.pid).create_time() - rec.create_time) < 1.0:
+            return rec
+    except psutil.NoSuchProcess:
+        pass
+    # The engine is gone; its group may not be (workers outliving the server): leave the file for stop.
+    if group_members(rec.pgid):
+        return rec
+    path.unlink(missing_ok=True)
+    return None
+
+
+def save(s: Settings, rec: Record) -> None:
+    head = "# The engine the rig started (nox -s stop reads it).\n"
+    atomic.write_text(pid_path(s), head + tomli_w.dumps(asdict(rec)))
+
+
+def group_members(pgid: int) -> list[int]:
+    """Every live process in the process group (zombies excluded: they hold nothing)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+def _connect_host(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def health(host: str, port: int, model: str, api_key: str = "", timeout: float = 60.0) -> tuple[bool, str]:
+    """A one-token chat completion: (True, detail) when the engine generated it."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                       "chat_template_kwargs": {"enable_thinking": False}})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    conn = http.client.HTTPConnection(_connect_host(host), port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, headers)
+        resp = conn.getresponse()
+        data = resp.read()
+    except (OSError, http.client.HTTPException) as exc:
+        return False, f"no answer ({exc.__class__.__name__}: {exc})"
+    finally:
+        conn.close()
+    if resp.status != 200:
+        return False, f"HTTP {resp.status}: {data[:200].decode(errors='replace').strip()}"
+    try:
+        choices = json.loads(data)["choices"]
+        usage = json.loads(data).get("usage") or {}
+    except (ValueError, KeyError, TypeError):
+        return False, "HTTP 200 but not a chat completion"
+    if not choices or usage.get("completion_tokens", 1) < 1:
+        return False, "HTTP 200 but no token generated"
+    return True, "one token generated"
+
+
+def _port_open(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((_connect_host(host), port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class _Lines:
+    """New lines of the engine's output: from the log file (tailed) or from a pipe (copied to stdout)."""
+
+    def __init__(self, log: Path | None, offset: int, pipe: IO[bytes] | None) -> None:
+        self.q: queue.Queue[str] = queue.Queue()
+        self.tail: deque[str] = deque(maxlen=30)
+        self._log, self._offset, self._buf = log, offset, b""
+        if pipe is not None:
+            threading.Thread(target=self._copy, args=(pipe,), daemon=True).start()
+
+    def _copy(self, pipe: IO[bytes]) -> None:
+        out = sys.stdout.buffer
+        for raw in iter(pipe.readline, b""):
+            out.write(raw)
+            out.flush()
+            self.q.put(raw.decode(errors="replace").rstrip("\r\n"))
+
+    def new(self) -> Iterator[str]:
+        if self._log is not None:
+            with open(self._log, "rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+            self._offset += len(chunk)
+            *whole, self._buf = (self._buf + chunk).split(b"\n")
+            for raw in whole:
+                self.q.put(raw.decode(errors="replace").rstrip("\r"))
+        while True:
+            try:
+                line = self.q.get_nowait()
+            except queue.Empty:
+                return
+            self.tail.append(line)
+            yield line
+
+
+def _notable(line: str) -> tuple[str, str] | None:
+    """(kind, text) for a line worth showing while the engine starts."""
+    if m := logs.CAPACITY.search(line):
+        return "capacity", m[0]
+    ev = logs.parse(line)
+    if ev and ev.kind in ("warning", "error"):
+        return ev.kind, ev.text
+    if MILESTONES.search(line):
+        m = logs.PREFIX.search(logs.ANSI.sub("", line))
+        return "milestone", m[3] if m else line.strip()
+    return None
+
+
+def _open_log(path: str) -> IO[bytes]:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab", buffering=0)  # O_APPEND: safe beside rotation by truncation
+    except OSError as exc:
+        raise BadInput(problem("LOG", f"a file this user can append to ({path})", exc.strerror or str(exc),
+                               "run with sudo, set LOG=/a/writable/path, or LOG= to keep the output on the "
+                               "terminal")) from None
+
+
+@dataclass
+class Launch:
+    s: Settings
+    v: Serve
+    engine: Engine
+    foreground: bool
+
+
+def _lock(s: Settings) -> IO[str]:
+    s.state_dir.mkdir(parents=True, exist_ok=True)
+    fh = open(s.state_dir / "engine.lock", "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise BadInput(problem("the engine lock", "free", f"another start holds {s.state_dir / 'engine.lock'}",
+                               "wait for that start to finish, then nox -s status")) from None
+    return fh
+
+
+def running_message(rec: Record) -> str:
+    return (f"already running: pid {rec.pid}, {rec.host}:{rec.port}, up {_ago(rec.started)}; nothing started "
+            "(nox -s stop first to restart it)")
+
+
+def start(launch: Launch) -> int:
+    """Start the engine and wait until it is healthy; in the foreground, then wait for it to end."""
+    s, v = launch.s, launch.v
+    with _lock(s):
+        if rec := load(s):
+            if launch.foreground:
+                raise BadInput(problem("the engine", "not running", f"pid {rec.pid} on {rec.host}:{rec.port}",
+                                       "nox -s stop, then start again"))
+            say(running_message(rec))
+            return 0
+        v.cache_root.mkdir(parents=True, exist_ok=True)
+        log_fh = _open_log(s.log) if s.log else None
+        offset = os.fstat(log_fh.fileno()).st_size if log_fh else 0
+        if log_fh:
+            log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {launch.engine.argv[0]} serve\n".encode())
+            offset = os.fstat(log_fh.fileno()).st_size
+        proc = subprocess.Popen(launch.engine.argv, stdin=subprocess.DEVNULL,
+                                stdout=log_fh if log_fh else subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=launch.engine.full_env(), cwd=s.root, start_new_session=True)
+        if log_fh:
+            log_fh.close()  # the engine holds its own copy
+        rec = Record(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid), started=time.time(),
+                     host=s.host, port=s.port, model=v.names[0], log=s.log,
+                     supervisor=os.getpid() if launch.foreground else 0)
+        save(s, rec)
+    lines = _Lines(Path(s.log) if s.log else None, offset, proc.stdout)
+    say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
+    stopping = _forward_signals(rec) if launch.foreground else threading.Event()
+    try:
+        _wait_healthy(s, v, rec, proc, lines, quiet=not s.log, stopping=stopping)
+    except KeyboardInterrupt:
+        if not launch.foreground:
+            say(f"stopped waiting; the engine keeps starting (pid {proc.pid}): nox -s status, or nox -s stop")
+            return 130
+        raise
+    except WorkFailed:
+        if proc.poll() is None:
+            terminate(rec.pgid, v.stop_timeout)
+        pid_path(s).unlink(missing_ok=True)
+        raise
+    if not launch.foreground:
+        return 0
+    code = proc.wait()
+    leftover = terminate(rec.pgid, v.stop_timeout)  # workers the server left behind
+    pid_path(s).unlink(missing_ok=True)
+    if leftover:
+        warn(f"the engine left {len(leftover)} process(es) behind; they were stopped")
+    if stopping.is_set():
+        say(f"engine stopped (exit {code})")
+        return 0
+    return code if code >= 0 else 128 - code
+
+
+def _forward_signals(rec: Record) -> threading.Event:
+    """In the foreground, SIGTERM/SIGINT/SIGHUP to the supervisor go to the whole engine group."""
+    stopping = threading.Event()
+
+    def handler(signum, _frame) -> None:
+        stopping.set()
+        try:
+            os.killpg(rec.pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handler)
+    return stopping
+
+
+def _create_time(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, lines: _Lines, quiet: bool,
+                  stopping: threading.Event) -> None:
+    t0 = time.monotonic()
+    deadline = t0 + v.start_timeout
+    last_beat = t0
+    next_try = t0
+    last_detail = "not listening yet"
+    while True:
+        for line in lines.new():
+            note = None if quiet else _notable(line)
+            if note:
+                kind, text = note
+                say(f"{'engine ' + kind + ': ' if kind in ('warning', 'error') else ''}{text}")
+            if logs.CAPACITY.search(line):
+                rec.capacity = logs.CAPACITY.search(line)[0]
+        if (code := proc.poll()) is not None:
+            if stopping.is_set():
+                return  # stopped by a signal while starting: not a failure
+            list(lines.new())  # the last lines, into lines.tail
+            if s.log:
+                for line in list(lines.tail)[-15:]:
+                    print(f"      | {line}", file=sys.stderr)
+            where = f"; the full log is {s.log}" if s.log else ""
+            raise WorkFailed(f"the engine exited with code {code} after {time.monotonic() - t0:.0f} s, before it "
+                             f"was healthy{' (its last lines are above)' if s.log else ''}{where}")
+        now = time.monotonic()
+        listening = now >= next_try and _port_open(s.host, s.port)
+        if now >= next_try and not listening:
+            last_detail = "not listening yet"
+        if listening:
+            ok, detail = health(s.host, s.port, v.names[0], v.api_key, timeout=max(1.0, min(120.0, deadline - now)))
+            if ok:
+                rec.ready = time.time()
+                save(s, rec)
+                names = ", ".join(v.names)
+                say(f"ready in {time.monotonic() - t0:.1f} s: http://{_connect_host(s.host)}:{s.port}/v1, "
+                    f"model {names} (a one-token generation answered)")
+                if rec.capacity:
+                    say(rec.capacity)
+                return
+            last_detail = detail
+            next_try = time.monotonic() + 2.0
+        if now >= deadline:
+            raise WorkFailed(f"the engine was not healthy within START_TIMEOUT={v.start_timeout} s (last check: "
+                             f"{last_detail}); it was stopped. Raise START_TIMEOUT for a slow first start")
+        if now - last_beat >= HEARTBEAT:
+            last_beat = now
+            say(f"waiting for the engine: {now - t0:.0f} s, health: {last_detail}")
+        time.sleep(POLL)
+
+
+def terminate(pgid: int, timeout: float, extra: Callable[[], list[int]] | None = None) -> list[int]:
+    """SIGTERM the group, wait up to ``timeout``, SIGKILL what is left; return the pids it had to kill."""
+    members = group_members(pgid)
+    if not members:
+        return []
+    _signal_group(pgid, signal.SIGTERM)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not group_members(pgid):
+            return []
+        time.sleep(0.1)
+    left = group_members(pgid)
+    _signal_group(pgid, signal.SIGKILL)
+    end = time.monotonic() + 5
+    while group_members(pgid) and time.monotonic() < end:
+        time.sleep(0.05)
+    return left
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(s: Settings, v: Serve) -> int:
+    """``nox -s stop``: the whole engine group, gracefully first."""
+    rec = load(s)
+    if rec is None:
+        say(f"not running (no live engine in {pid_path(s)}); nothing to stop")
+        return 0
+    t0 = time.monotonic()
+    members = group_members(rec.pgid)
+    say(f"stopping the engine: pid {rec.pid}, {len(members)} process(es) in its group; SIGTERM, then SIGKILL "
+        f"after {v.stop_timeout} s")
+    killed = terminate(rec.pgid, v.stop_timeout)
+    left = group_members(rec.pgid)
+    if left:
+        raise WorkFailed(f"processes {', '.join(map(str, left))} of the engine survived SIGKILL (a GPU driver "
+                         "hang?); they still hold their GPU memory: check nvidia-smi")
+    pid_path(s).unlink(missing_ok=True)
+    how = f"SIGKILL needed for {len(killed)} process(es) that ignored SIGTERM" if killed else "clean SIGTERM"
+    say(f"stopped in {time.monotonic() - t0:.1f} s ({how}); no process of it is left")
+    return 0
+
+
+def _ago(t: float) -> str:
+    sec = int(time.time() - t)
+    h, rem = divmod(sec, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def _capacity_from_log(path: str) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - (4 << 20)))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    found = list(logs.CAPACITY.finditer(text))
+    return found[-1][0] if found else ""
+
+
+def status(s: Settings, v: Serve) -> int:
+    """``nox -s status``: 0 healthy, 1 running but not healthy, 3 not running."""
+    rec = load(s)
+    if rec is None:
+        say(f"not running (no live engine in {pid_path(s)})")
+        return 3
+    ok, detail = health(rec.host, rec.port, rec.model, v.api_key, timeout=30)
+    capacity = rec.capacity or (_capacity_from_log(rec.log) if rec.log else "")
+    mode = f"foreground under pid {rec.supervisor}" if rec.supervisor else "detached"
+    say(f"pid {rec.pid} ({mode}), up {_ago(rec.started)}, {rec.host}:{rec.port}, model {rec.model}")
+    say(f"health: {'ok' if ok else 'FAILING'} ({detail})")
+    say(capacity or "KV cache line: not in the log yet")
+    if rec.log:
+        say(f"log: {rec.log}")
+    if not ok:
+        error("the engine runs but does not generate: see its log; nox -s stop, then ./start.sh")
+    return 0 if ok else 1

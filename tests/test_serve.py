@@ -1,0 +1,318 @@
+"""Start, stop, status and health through the real supervise code, with an engine test double.
+
+The double (tests/engine_double.py) stands where ``.venv/bin/vllm`` would: it takes vLLM's
+flags, writes vLLM-format log lines and answers the OpenAI routes; ``DOUBLE_*`` variables make
+it misbehave the ways a real engine does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, run_rig
+
+from rig import box, config, serve, supervise
+from rig.errors import BadInput
+
+DOUBLE = ROOT / "tests" / "engine_double.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def rig_env(tmp_path):
+    """An environment whose venv's ``vllm`` is the double, with a checkpoint, a log and a state folder."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{DOUBLE}" "$@"\n')
+    (venv / "bin" / "vllm").chmod(0o755)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "qsa_kv_scales.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DOUBLE_", "VLLM_", "MAX_", "GUARD"))}
+    env.update(VENV_DIR=str(venv), CKPT=str(ckpt), PORT=str(free_port()), RIG_STATE=str(tmp_path / "state"),
+               LOG=str(tmp_path / "vllm.log"), CACHE_ROOT=str(tmp_path / "cache"), START_TIMEOUT="30",
+               STOP_TIMEOUT="3", DOUBLE_RECORD=str(tmp_path / "record.json"), CUDA_VISIBLE_DEVICES="0,1,2,3")
+    yield env
+    # Leave nothing running, whatever the test did.
+    rec_file = Path(env["RIG_STATE"]) / "engine.toml"
+    if rec_file.exists():
+        run_rig(env, "stop")
+    rec = tmp_path / "record.json"
+    if rec.exists():
+        pgid = json.loads(rec.read_text())["pgid"]
+        supervise.terminate(pgid, 1)
+
+
+def start(env, *args, timeout=120):
+    return run_rig(env, "start", "--no-build", "--skip-box-check", *args, timeout=timeout)
+
+
+def record(env) -> dict:
+    return json.loads(Path(env["DOUBLE_RECORD"]).read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_detached_start_status_stop(rig_env):
+    env = {**rig_env, "VLLM_API_KEY": "sekrit-key", "MODEL_NAME": "qwen38 Hinata"}
+    r = start(env)
+    assert r.code == 0, r.text
+    assert "ready in" in r.out and "model qwen38, Hinata" in r.out
+    assert "GPU KV cache size: 924,993 tokens" in r.out
+    rec = record(env)
+    assert alive(rec["pid"]) and rec["pgid"] == rec["pid"]  # its own process group
+    # The key reaches the engine through its environment, never its command line.
+    assert "sekrit-key" not in " ".join(rec["argv"]) and rec["env"]["VLLM_API_KEY"] == "sekrit-key"
+    assert rec["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and rec["env"]["NCCL_P2P_DISABLE"] == "1"
+    assert rec["env"]["TRITON_CACHE_DIR"].startswith(env["CACHE_ROOT"])
+    argv = rec["argv"]
+    assert argv[argv.index("--served-model-name") + 1: argv.index("--served-model-name") + 3] == ["qwen38", "Hinata"]
+    assert "Loading weights took" in Path(env["LOG"]).read_text()
+
+    st = run_rig(env, "status")
+    assert st.code == 0, st.text
+    assert f"pid {rec['pid']} (detached)" in st.out and "health: ok" in st.out and "924,993 tokens" in st.out
+
+    again = start(env)
+    assert again.code == 0 and "already running" in again.out
+    assert record(env)["pid"] == rec["pid"]  # no second engine
+
+    sp = run_rig(env, "stop")
+    assert sp.code == 0, sp.text
+    assert "clean SIGTERM" in sp.out and "no process of it is left" in sp.out
+    assert not alive(rec["pid"]) and not supervise.group_members(rec["pgid"])
+    assert "Shutting down" in Path(env["LOG"]).read_text()
+    assert run_rig(env, "status").code == 3
+    assert "nothing to stop" in run_rig(env, "stop").out
+
+
+def test_models_answering_is_not_healthy(rig_env):
+    env = {**rig_env, "DOUBLE_MODE": "no-generate", "START_TIMEOUT": "4"}
+    r = start(env)
+    assert r.code == 1, r.text
+    assert "not healthy within START_TIMEOUT=4 s" in r.err and "HTTP 500" in r.err
+    rec = record(env)
+    assert not supervise.group_members(rec["pgid"])  # the failed engine was stopped
+    assert not (Path(env["RIG_STATE"]) / "engine.toml").exists()
+
+
+def test_an_engine_that_dies_while_loading_shows_its_last_lines(rig_env):
+    r = start({**rig_env, "DOUBLE_MODE": "crash"})
+    assert r.code == 1
+    assert "exited with code 3" in r.err and "CUDA out of memory" in r.err and rig_env["LOG"] in r.err
+
+
+def test_sigkill_after_the_timeout_for_an_engine_that_ignores_sigterm(rig_env):
+    env = {**rig_env, "DOUBLE_MODE": "ignore-term", "STOP_TIMEOUT": "2"}
+    assert start(env).code == 0
+    rec = record(env)
+    t0 = time.monotonic()
+    sp = run_rig(env, "stop")
+    assert sp.code == 0, sp.text
+    assert time.monotonic() - t0 >= 2 and "SIGKILL needed for 1 process" in sp.out
+    assert not alive(rec["pid"])
+
+
+def test_a_child_that_outlives_the_server_is_not_left_behind(rig_env):
+    env = {**rig_env, "DOUBLE_CHILD": "1"}
+    assert start(env).code == 0
+    rec = record(env)
+    members = supervise.group_members(rec["pgid"])
+    child = next(p for p in members if p != rec["pid"])
+    os.kill(rec["pid"], signal.SIGKILL)  # the server alone, as a careless kill would
+    time.sleep(0.3)
+    assert alive(child)  # like vLLM's EngineCore: still there, still holding its GPU memory
+    sp = run_rig(env, "stop")
+    assert sp.code == 0, sp.text
+    assert not alive(child) and not supervise.group_members(rec["pgid"])
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 60) -> str:
+    seen = ""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        seen += line
+        if text in line:
+            return seen
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"{text!r} not seen; output so far:\n{seen}")
+
+
+@pytest.mark.parametrize("via", ["rig.cli", "start.sh"])
+def test_foreground_stops_cleanly_on_sigterm(rig_env, via):
+    cmd = ([sys.executable, "-m", "rig.cli", "start"] if via == "rig.cli" else [str(ROOT / "start.sh")])
+    proc = subprocess.Popen([*cmd, "--no-build", "--skip-box-check", "--foreground"], cwd=ROOT, env=rig_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(proc, "ready in")
+        rec = record(rig_env)
+        saved = supervise.load(config.settings(rig_env))
+        assert saved and saved.supervisor and saved.pid == rec["pid"]
+        proc.send_signal(signal.SIGTERM)  # what systemd's KillMode=mixed sends the main process
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "engine stopped" in out
+    assert not supervise.group_members(rec["pgid"])
+    assert not (Path(rig_env["RIG_STATE"]) / "engine.toml").exists()
+
+
+def test_empty_log_keeps_the_output_on_the_terminal_and_warns_when_open(rig_env):
+    env = {**rig_env, "LOG": "", "HOST": "0.0.0.0"}
+    proc = subprocess.Popen([sys.executable, "-m", "rig.cli", "start", "--no-build", "--skip-box-check"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = _wait_for(proc, "ready in")
+        assert "API is OPEN to the network" in seen
+        assert "Application startup complete" in seen  # the engine's own lines, on the terminal
+        assert proc.poll() is None  # LOG= runs in the foreground
+        ok, detail = supervise.health("0.0.0.0", int(env["PORT"]), "qwen38-flash-next")
+        assert ok, detail
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+
+
+def test_dry_run_prints_the_command_and_masks_the_key(rig_env):
+    r = run_rig({**rig_env, "VLLM_API_KEY": "sekrit-key"}, "start", "--dry-run", "--no-build", "--skip-box-check")
+    assert r.code == 0, r.text
+    assert "--tensor-parallel-size 2 --pipeline-parallel-size 2 --enable-expert-parallel" in r.out
+    assert "VLLM_API_KEY=<set, 10 characters>" in r.out and "sekrit" not in r.out
+    assert "nothing started" in r.out and not Path(rig_env["DOUBLE_RECORD"]).exists()
+    assert not (Path(rig_env["RIG_STATE"]) / "engine.toml").exists()
+
+
+def test_first_start_builds_first(rig_env, tmp_path):
+    env = {**rig_env, "PATCHES_DIR": str(tmp_path / "no-patches")}
+    r = run_rig(env, "start", "--skip-box-check")
+    assert "running ./build.sh first" in r.out
+    assert r.code == 2 and "series.toml" in r.err  # the build's own clear error, and no engine
+    assert not Path(env["DOUBLE_RECORD"]).exists()
+
+
+def test_unwritable_log_is_bad_input(rig_env, tmp_path):
+    (tmp_path / "a-file").write_text("")  # a folder that is a file: no user, root included, can log there
+    r = start({**rig_env, "LOG": str(tmp_path / "a-file" / "vllm.log")})
+    assert r.code == 2, r.text
+    assert "LOG: expected a file this user can append to" in r.err and "LOG=" in r.err
+    assert not Path(rig_env["DOUBLE_RECORD"]).exists()
+
+
+@pytest.mark.parametrize("name,value,want", [
+    ("MAX_BATCHED_TOKENS", "2", "MAX_BATCHED_TOKENS: expected >= MAX_SEQS (4)"),
+    ("GUARD", "loud", "GUARD: expected warn or off or raise, found 'loud'"),
+    ("PORT", "eighty", "PORT: expected a port number from 1 to 65535, found 'eighty'"),
+    ("COUNTERS", "yes", "COUNTERS: expected 0 or 1"),
+    ("PLE_HOME", "first", "PLE_HOME: expected a card index"),
+])
+def test_bad_serve_variables_exit_2(rig_env, name, value, want):
+    r = start({**rig_env, name: value})
+    assert r.code == 2, r.text
+    assert want in r.err and "Fix:" in r.err
+    assert not Path(rig_env["DOUBLE_RECORD"]).exists()
+
+
+# --- the box check on the start path, with recorded NVML readings behind read_nvml ---------------------
+
+def reading(n=4, changes=None) -> box.Reading:
+    from test_box import three090s
+
+    return box.reading_from_json(three090s(n, changes))
+
+
+@pytest.fixture
+def roomy(monkeypatch):
+    """This machine's RAM and /dev/shm are smaller than the reference box's: only the GPU facts are tested."""
+    monkeypatch.setattr(config, "REFERENCE_BOX", config.BoxProfile(ram_gib=0.1, shm_gb=0.0, disk_gb=0.0))
+
+
+def start_in_process(env, monkeypatch, capsys, read):
+    monkeypatch.setattr(box, "read_nvml", read)
+    with pytest.raises(BadInput) as e:
+        serve.start(env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
+    return e.value, capsys.readouterr().err
+
+
+def test_reference_box_reading_passes_and_chooses_tp2_pp2(rig_env, monkeypatch, capsys, roomy):
+    monkeypatch.setattr(box, "read_nvml", lambda: reading())
+    assert serve.start(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    out = capsys.readouterr().out
+    assert "box: " in out and "checks passed" in out and "topology: TP2 x PP2 + EP" in out
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in out and "SCALES=" in out
+
+
+def no_driver():
+    raise box.NoDriver("NVMLError_LibraryNotFound: NVML Shared Library Not Found")
+
+
+@pytest.mark.parametrize("read,want", [
+    (no_driver, "NVIDIA driver: expected NVML"),
+    (lambda: reading(2), "GPUs: expected 4 cards"),
+    (lambda: reading(4, {3: {"name": "NVIDIA GeForce RTX 3080"}}), "card models: expected one model"),
+    (lambda: reading(4, {1: {"compute_processes": [4242]}}), "GPU 1 free: expected no compute process, found pids"),
+])
+def test_bad_boxes_exit_2_naming_the_check(rig_env, monkeypatch, capsys, roomy, read, want):
+    err, text = start_in_process(rig_env, monkeypatch, capsys, read)
+    assert err.code == 2 and "1 of" in err.message
+    assert want in text and "Fix:" in text
+
+
+@pytest.mark.parametrize("change,want", [
+    ("no-ckpt", "checkpoint: expected a folder at CKPT="),
+    ("no-config", "config.json"),
+    ("no-scales", "KV scales: expected qsa_kv_scales.json"),
+    ("port", "port: expected 127.0.0.1:"),
+])
+def test_bad_checkpoint_scales_and_port_exit_2(rig_env, monkeypatch, capsys, roomy, change, want):
+    ckpt = Path(rig_env["CKPT"])
+    held = None
+    if change == "no-ckpt":
+        rig_env = {**rig_env, "CKPT": str(ckpt / "missing")}
+    elif change == "no-config":
+        (ckpt / "config.json").unlink()
+    elif change == "no-scales":
+        (ckpt / "qsa_kv_scales.json").unlink()
+    else:
+        held = socket.socket()
+        held.bind(("127.0.0.1", int(rig_env["PORT"])))
+        held.listen()
+    try:
+        err, text = start_in_process(rig_env, monkeypatch, capsys, lambda: reading())
+    finally:
+        if held:
+            held.close()
+    assert err.code == 2 and want in text
+
+
+def test_the_older_scales_name_is_accepted_saying_so(rig_env, monkeypatch, capsys, roomy):
+    ckpt = Path(rig_env["CKPT"])
+    (ckpt / "qsa_kv_scales.json").rename(ckpt / "qsa_kv_scales_swift.json")
+    monkeypatch.setattr(box, "read_nvml", lambda: reading())
+    assert serve.start(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    cap = capsys.readouterr()
+    assert "the older name qsa_kv_scales_swift.json" in cap.err and "qsa_kv_scales_swift.json" in cap.out
