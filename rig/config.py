@@ -23,6 +23,7 @@ class Var:
     name: str
     default: str
     meaning: str
+    reader: str = "rig"  # "compose": read by docker-compose.yml only, not by the rig's code
 
 
 VARS: tuple[Var, ...] = (
@@ -79,9 +80,23 @@ VARS: tuple[Var, ...] = (
     Var("START_TIMEOUT", "1800", "Seconds `./start.sh` waits for the first healthy answer (a first start "
         "compiles CUDA graphs)."),
     Var("STOP_TIMEOUT", "20", "Seconds `nox -s stop` waits after SIGTERM before it sends SIGKILL."),
+    Var("BASE_URL", "`http://127.0.0.1:$PORT/v1`", "The server `benchmarks/bench.sh` measures."),
+    Var("MODEL", "the first `MODEL_NAME`", "The model name `benchmarks/bench.sh` asks for."),
+    Var("TOKENIZER", "`$CKPT`", "The tokenizer `benchmarks/bench.sh` counts tokens with (a folder with "
+        "`tokenizer.json`, or the file)."),
+    Var("MODEL_DIR", "none, required", "Container: the host folder of the checkpoint; compose stops with a message "
+        "when it is empty.", "compose"),
+    Var("MODEL_MOUNT_PATH", "/models/Qwen3.8-Flash-Next", "Container: where the checkpoint is mounted (read-only).",
+        "compose"),
+    Var("HOST_PORT", "8080", "Container: the host port the API is published on.", "compose"),
+    Var("BIND_ADDR", "127.0.0.1", "Container: the host address the port is published on; `0.0.0.0` opens it to "
+        "the network (Docker's publishing bypasses the host firewall).", "compose"),
+    Var("CACHE_HOST_DIR", ".vllm-cache", "Container: the host folder mounted as the compile cache at `/cache`.",
+        "compose"),
 )
 
 VAR_NAMES = frozenset(v.name for v in VARS)
+RIG_VARS = frozenset(v.name for v in VARS if v.reader == "rig")
 SOURCES = ("auto", "git", "sdist")
 ROUTES = ("auto", "precompiled", "compile")
 
@@ -285,6 +300,27 @@ def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = Non
         counters=_flag(env, "COUNTERS", False),
         start_timeout=_int(env, "START_TIMEOUT", 1800),
         stop_timeout=_int(env, "STOP_TIMEOUT", 20),
+    )
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What ``benchmarks/bench.sh`` measures against."""
+
+    base_url: str
+    model: str
+    tokenizer: Path
+
+
+def bench_settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Bench:
+    env = os.environ if env is None else env
+    s = settings(env, root)
+    v = serve_settings(env, root)
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(s.host, s.host)
+    return Bench(
+        base_url=(env.get("BASE_URL", "").strip() or f"http://{host}:{s.port}/v1").rstrip("/"),
+        model=env.get("MODEL", "").strip() or v.names[0],
+        tokenizer=_path(env, "TOKENIZER", s.ckpt, s.root),
     )
 
 

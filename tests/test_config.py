@@ -59,4 +59,4 @@ def test_every_variable_the_code_reads_is_in_the_table():
     text = (ROOT / "rig/config.py").read_text()
     read = set(re.findall(r'(?:_int|_flag|_path|_choice|_index|_seconds)\(env, "([A-Z][A-Z0-9_]+)"', text))
     read |= set(re.findall(r'env\.get\("([A-Z][A-Z0-9_]+)"', text))
-    assert read == config.VAR_NAMES
+    assert read == config.RIG_VARS
