@@ -82,6 +82,12 @@ def status(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def service(session: nox.Session) -> None:
+    """The systemd service: install, start, stop, status, update, logs, uninstall."""
+    _rig(session, "service")
+
+
+@nox.session(**WORK)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
     _rig(session, "lock")

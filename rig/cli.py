@@ -180,6 +180,13 @@ def status(argv: Sequence[str]) -> int:
     return _guard(go)
 
 
+def service(argv: Sequence[str]) -> int:
+    """``scripts/install-as-service.sh VERB``: the systemd service."""
+    from rig import service as svc
+
+    return _guard(lambda: svc.main(list(argv)))
+
+
 def lock(argv: Sequence[str]) -> int:
     """``nox -s lock``: regenerate the hash-pinned runtime lock."""
     p = argparse.ArgumentParser(prog="nox -s lock --", description="Regenerate RUNTIME_LOCK with uv pip compile "
@@ -220,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m rig.cli COMMAND [ARGS]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"build": build, "tree": tree, "lock": lock, "pack": pack, "verify": verify,
-                "logs": logs, "doctor": doctor, "start": start, "stop": stop, "status": status}
+                "logs": logs, "doctor": doctor, "start": start, "stop": stop, "status": status,
+                "service": service}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
         raise SystemExit(2)

@@ -29,7 +29,7 @@ from typing import IO
 
 import tomli_w
 
-from rig import atomic, logs
+from rig import REPO_ROOT, atomic, logs
 from rig.config import Serve, Settings
 from rig.console import error, say, warn
 from rig.engine import Engine
@@ -243,16 +243,19 @@ def start(launch: Launch) -> int:
             say(running_message(rec))
             return 0
         v.cache_root.mkdir(parents=True, exist_ok=True)
-        log_fh = _open_log(s.log) if s.log else None
-        offset = os.fstat(log_fh.fileno()).st_size if log_fh else 0
-        if log_fh:
-            log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {launch.engine.argv[0]} serve\n".encode())
-            offset = os.fstat(log_fh.fileno()).st_size
-        proc = subprocess.Popen(launch.engine.argv, stdin=subprocess.DEVNULL,
-                                stdout=log_fh if log_fh else subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=launch.engine.full_env(), cwd=s.root, start_new_session=True)
-        if log_fh:
-            log_fh.close()  # the engine holds its own copy
+        argv, env, offset = launch.engine.argv, launch.engine.full_env(), 0
+        if s.log:
+            with _open_log(s.log) as log_fh:
+                log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {argv[0]} serve\n".encode())
+                offset = os.fstat(log_fh.fileno()).st_size
+            # The pump leads the group and writes the log, following a rotation by rename.
+            argv = [sys.executable, "-m", "rig.logpump", s.log, "--", *argv]
+            env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))}
+        # A detached engine must not hold the caller's terminal or pipes: with a log, nothing is inherited.
+        out = subprocess.DEVNULL if s.log else subprocess.PIPE
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.DEVNULL if s.log else subprocess.STDOUT, env=env, cwd=s.root,
+                                start_new_session=True)
         rec = Record(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid), started=time.time(),
                      host=s.host, port=s.port, model=v.names[0], log=s.log,
                      supervisor=os.getpid() if launch.foreground else 0)

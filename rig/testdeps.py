@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 #: command -> Debian package
-DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd"}
+DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd",
+          "logrotate": "logrotate", "systemd-analyze": "systemd"}
 
 
 def ensure() -> list[str]:

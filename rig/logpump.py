@@ -1,0 +1,84 @@
+"""Run a command with its output appended to a log file that may be rotated under it.
+
+``python -m rig.logpump LOG -- CMD ...`` starts CMD with its stdout and stderr on a pipe and
+appends every byte to LOG (O_APPEND). Before each write it checks that LOG still names the
+file it has open; when logrotate has renamed it, it opens a new LOG. So rotation by rename loses
+nothing, where ``copytruncate`` loses what is written between the copy and the truncation.
+
+It ignores SIGTERM, SIGINT and SIGHUP (they are meant for CMD, which shares its process group):
+it keeps writing until CMD has exited and said its last lines, then exits with CMD's status.
+Standard library only: it starts before anything else of the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+
+class Appender:
+    """Appends to ``path``, reopening it when the path no longer names the open file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+        self._open()
+
+    def _open(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        self.ino = os.fstat(self.fd).st_ino
+
+    def write(self, data: bytes) -> None:
+        try:
+            moved = os.stat(self.path).st_ino != self.ino
+        except FileNotFoundError:
+            moved = True
+        if moved:
+            self._open()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+
+def run(log: str, cmd: list[str], drain: float = 1.0) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN: CMD must not inherit the ignoring
+    out = Appender(log)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except OSError as exc:
+        out.write(f"ERROR could not start {cmd[0]}: {exc}\n".encode())
+        return 127
+    fd = proc.stdout.fileno()
+    exited_at = None
+    while True:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # every writer has closed the pipe
+            out.write(chunk)
+        if proc.poll() is not None:
+            # CMD is gone; a child it left may hold the pipe open: take what is there, then stop.
+            exited_at = exited_at or time.monotonic()
+            if not ready and time.monotonic() - exited_at > drain:
+                break
+    code = proc.wait()
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m rig.logpump LOG -- CMD [ARGS]", file=sys.stderr)
+        return 2
+    return run(argv[0], argv[2:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

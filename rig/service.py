@@ -1,0 +1,208 @@
+"""The systemd service: install, start, stop, status, update, logs, uninstall.
+
+``install`` writes three files under a root prefix (``/`` by default; ``--root DIR`` or
+``DESTDIR`` for a staging tree or the tests): the unit (``systemd/vllm.service`` with the repo's
+path and the log path filled in), the environment file (only when absent: an existing one holds
+the user's settings and key, and is never overwritten), and the logrotate policy. What it wrote is
+recorded with each file's sha256 in ``var/lib/vllm-rig/installed.toml``, so ``uninstall`` removes
+only those files, keeps one the user has edited since, and is a no-op the second time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomli_w
+
+from rig import REPO_ROOT, atomic, config
+from rig.console import say, warn
+from rig.errors import BadInput, WorkFailed, problem
+from rig.hashing import sha256_file
+
+TEMPLATE_ROOT = "/opt/vllm"
+TEMPLATE_LOG = "/var/log/vllm.log"
+UNIT = "etc/systemd/system/vllm.service"
+ENV_FILE = "etc/default/vllm"
+LOGROTATE = "etc/logrotate.d/vllm"
+RECORD = "var/lib/vllm-rig/installed.toml"
+#: Set in the environment file the service reads (the rest are commented defaults).
+ENV_SET = {"MODEL_NAME": "Hinata"}
+#: Variables of the build only, or of other tools: not offered in the service's environment file.
+ENV_SKIP = {"MAX_JOBS", "ARCH", "NVCC_THREADS", "OPS_ROUTE", "STATUS_INTERVAL", "BUILD_LOG_DIR", "UV", "FETCH",
+            "PACK", "CCACHE_DIR", "VLLM_UPSTREAM_URL", "VLLM_SOURCE", "INDEX_URL", "RIG_CACHE", "PYTHON",
+            "UV_PYTHON", "RUNTIME_LOCK", "LOG", "VLLM_CONTAINER", "BASE_URL", "MODEL", "TOKENIZER"}
+
+
+@dataclass(frozen=True)
+class Target:
+    root: Path  # the prefix: "/" for the real system
+    repo: Path
+    log: str
+
+    @property
+    def real(self) -> bool:
+        return self.root == Path("/")
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+
+def render_unit(repo: Path, log: str) -> str:
+    text = (repo / "systemd" / "vllm.service").read_text()
+    text = text.replace(TEMPLATE_LOG, log).replace(TEMPLATE_ROOT, str(repo))
+    return text.replace("ReadWritePaths=" + str(repo) + " /var/log ",
+                        f"ReadWritePaths={repo} {Path(log).parent} ")
+
+
+def render_logrotate(repo: Path, log: str) -> str:
+    return (repo / "systemd" / "vllm.logrotate").read_text().replace(TEMPLATE_LOG, log)
+
+
+def render_env() -> str:
+    lines = ["# Settings of the vllm service (scripts/install-as-service.sh), read by systemd at each start.",
+             "# Mode 0600: it can hold VLLM_API_KEY. Uncomment a line to change that default; then",
+             "# scripts/install-as-service.sh stop && scripts/install-as-service.sh start.", ""]
+    for v in config.VARS:
+        if v.reader != "rig" or v.name in ENV_SKIP:
+            continue
+        lines.append(f"# {v.name}: {v.meaning.replace('`', '')}")
+        if v.name in ENV_SET:
+            lines.append(f"{v.name}={ENV_SET[v.name]}")
+        else:
+            lines.append(f"#{v.name}={v.default.replace('`', '')}")
+    return "\n".join(lines) + "\n"
+
+
+def _load_record(t: Target) -> dict:
+    try:
+        return tomllib.loads(t.path(RECORD).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _need_root(t: Target, verb: str) -> None:
+    if t.real and os.geteuid() != 0:
+        raise BadInput(problem(f"service {verb}", "root (it writes /etc/systemd/system, /etc/default, "
+                               "/etc/logrotate.d)", f"uid {os.geteuid()}",
+                               f"sudo scripts/install-as-service.sh {verb}, or --root DIR to stage the files"))
+
+
+def _systemd_running(t: Target) -> bool:
+    return t.real and Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
+
+
+def _require_systemd(t: Target, what: str) -> None:
+    if not _systemd_running(t):
+        where = f"files staged under {t.root}" if not t.real else "systemd is not running on this machine"
+        raise BadInput(problem(what, "a running systemd", where,
+                               "run this on the serving host itself (booted with systemd)"))
+
+
+def _systemctl(t: Target, *args: str, check: bool = True) -> int:
+    _require_systemd(t, f"systemctl {' '.join(args)}")
+    r = subprocess.run(["systemctl", *args])
+    if check and r.returncode != 0:
+        raise WorkFailed(f"systemctl {' '.join(args)} failed with exit {r.returncode}: "
+                         "journalctl -u vllm -n 50 tells why")
+    return r.returncode
+
+
+def install(t: Target) -> int:
+    _need_root(t, "install")
+    record = _load_record(t)
+    files = record.get("files", {})
+    unit = t.path(UNIT)
+    atomic.write_text(unit, render_unit(t.repo, t.log), 0o644)
+    files[UNIT] = sha256_file(unit)
+    say(f"wrote {unit} (runs {t.repo}/start.sh --foreground, log {t.log})")
+
+    env = t.path(ENV_FILE)
+    if env.exists():
+        say(f"kept {env}: it exists, and holds your settings (never overwritten)")
+    else:
+        atomic.write_text(env, render_env(), 0o600)
+        files[ENV_FILE] = sha256_file(env)
+        say(f"wrote {env} (mode 0600; edit it to set MODEL_NAME, CKPT, VLLM_API_KEY, ...)")
+
+    rot = t.path(LOGROTATE)
+    new = render_logrotate(t.repo, t.log)
+    if rot.exists() and rot.read_text() != new and LOGROTATE not in files:
+        saved = t.path(RECORD).parent / "logrotate.vllm.before"
+        atomic.write_bytes(saved, rot.read_bytes())
+        warn(f"replacing the existing {rot} (a policy the rig did not write); the old one is kept as {saved}")
+    atomic.write_text(rot, new, 0o644)
+    files[LOGROTATE] = sha256_file(rot)
+    say(f"wrote {rot} (daily or at 100 MB, 14 kept, compressed, 60 days)")
+
+    atomic.write_text(t.path(RECORD), "# Files scripts/install-as-service.sh installed, with their sha256.\n"
+                      + tomli_w.dumps({"repo": str(t.repo), "files": files}), 0o644)
+    if _systemd_running(t):
+        _systemctl(t, "daemon-reload")
+        _systemctl(t, "enable", "vllm.service")
+        say("enabled vllm.service (starts at boot); start it: scripts/install-as-service.sh start")
+    elif t.real:
+        say("systemd is not running here: run `systemctl daemon-reload && systemctl enable vllm` on the host")
+    return 0
+
+
+def uninstall(t: Target) -> int:
+    _need_root(t, "uninstall")
+    record = _load_record(t)
+    if not record:
+        say(f"nothing installed (no {t.path(RECORD)}); nothing to remove")
+        return 0
+    if _systemd_running(t):
+        _systemctl(t, "disable", "--now", "vllm.service", check=False)
+    for rel, digest in record.get("files", {}).items():
+        p = t.path(rel)
+        if not p.exists():
+            continue
+        if sha256_file(p) != digest:
+            warn(f"kept {p}: it changed since install (your edits); remove it by hand if you no longer want it")
+            continue
+        p.unlink()
+        say(f"removed {p}")
+    t.path(RECORD).unlink()
+    if _systemd_running(t):
+        _systemctl(t, "daemon-reload")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="scripts/install-as-service.sh",
+                                description="Run the rig under systemd: the unit, its environment file, the "
+                                "logrotate policy.")
+    p.add_argument("verb", choices=("install", "start", "stop", "status", "update", "logs", "uninstall"))
+    p.add_argument("--root", help="write under this prefix instead of / (default: DESTDIR, else /)")
+    p.add_argument("-n", "--lines", type=int, default=200, help="logs: start from the last N lines")
+    a = p.parse_args(argv)
+    root = Path(a.root or os.environ.get("DESTDIR", "").strip() or "/").resolve()
+    s = config.settings()
+    t = Target(root, REPO_ROOT, s.log or TEMPLATE_LOG)
+    if a.verb == "install":
+        return install(t)
+    if a.verb == "uninstall":
+        return uninstall(t)
+    if a.verb == "logs":
+        log = Path(t.log)
+        if not log.exists():
+            raise BadInput(problem("the engine log", f"a file at {log}", "no such file",
+                                   "start the service first, or set LOG to where it writes"))
+        os.execvp("tail", ["tail", "-n", str(a.lines), "-F", str(log)])
+    if a.verb == "update":
+        _need_root(t, "update")
+        _require_systemd(t, "service update")  # before a build that could take an hour
+        r = subprocess.run([str(REPO_ROOT / "build.sh")])
+        if r.returncode != 0:
+            raise WorkFailed(f"./build.sh failed (exit {r.returncode}); the service was left as it runs")
+        return _systemctl(t, "restart", "vllm.service")
+    if a.verb == "status":
+        return _systemctl(t, "status", "--no-pager", "vllm.service", check=False)
+    _need_root(t, a.verb)
+    return _systemctl(t, a.verb, "vllm.service")
