@@ -88,9 +88,30 @@ def service(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def patches(session: nox.Session) -> None:
+    """The series: check it, rebase it onto another tag (in scratch), export new commits from vllm/."""
+    _rig(session, "patches")
+
+
+@nox.session(**WORK)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
     _rig(session, "lock")
+
+
+@nox.session(default=False, reuse_venv=True)
+def bench(session: nox.Session) -> None:
+    """Benchmark the running server with pinned llama-benchy in its own venv: saved, compared, plotted."""
+    import subprocess
+    from pathlib import Path
+
+    from rig.bench import TOOL, TOOL_DEPS
+
+    session.install("--no-deps", TOOL)
+    session.install("-e", ".", *TOOL_DEPS)
+    code = subprocess.call([str(Path(session.bin) / "python"), "-m", "rig.cli", "bench", *session.posargs])
+    if code:
+        sys.exit(code)  # keep the rig's exit status (2: bad input)
 
 
 @nox.session

@@ -187,6 +187,20 @@ def service(argv: Sequence[str]) -> int:
     return _guard(lambda: svc.main(list(argv)))
 
 
+def patches(argv: Sequence[str]) -> int:
+    """``nox -s patches -- check | rebase vX.Y.Z | new NAME``: the series tooling."""
+    from rig import patches as tool
+
+    return _guard(lambda: tool.main(list(argv)))
+
+
+def bench(argv: Sequence[str]) -> int:
+    """``benchmarks/bench.sh``: llama-benchy against the served model; results saved, compared, plotted."""
+    from rig import bench as tool
+
+    return _guard(lambda: tool.main(list(argv)))
+
+
 def lock(argv: Sequence[str]) -> int:
     """``nox -s lock``: regenerate the hash-pinned runtime lock."""
     p = argparse.ArgumentParser(prog="nox -s lock --", description="Regenerate RUNTIME_LOCK with uv pip compile "
@@ -228,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"build": build, "tree": tree, "lock": lock, "pack": pack, "verify": verify,
                 "logs": logs, "doctor": doctor, "start": start, "stop": stop, "status": status,
-                "service": service}
+                "service": service, "patches": patches, "bench": bench}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
         raise SystemExit(2)
