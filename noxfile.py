@@ -109,7 +109,11 @@ def bench(session: nox.Session) -> None:
 
     session.install("--no-deps", TOOL)
     session.install("-e", ".", *TOOL_DEPS)
-    code = subprocess.call([str(Path(session.bin) / "python"), "-m", "rig.cli", "bench", *session.posargs])
+    with subprocess.Popen([str(Path(session.bin) / "python"), "-m", "rig.cli", "bench", *session.posargs]) as p:
+        try:
+            code = p.wait()
+        except KeyboardInterrupt:  # the run got the same Ctrl-C: let it clean up and say so
+            code = p.wait()
     if code:
         sys.exit(code)  # keep the rig's exit status (2: bad input)
 

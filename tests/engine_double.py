@@ -2,7 +2,8 @@
 
 It takes vLLM's flags, writes vLLM-format log lines (the formats of the reference), and answers
 the OpenAI routes the rig and llama-benchy use: ``/v1/models``, ``/health`` and
-``/v1/chat/completions`` (plain and streamed, with usage), one token per ``1 / DOUBLE_PACE`` s.
+``/v1/chat/completions`` (plain and streamed, with usage), one token per ``1 / DOUBLE_PACE`` s after a
+prefill of ``prompt tokens / DOUBLE_PREFILL_PACE`` s (no prefill time when that is unset).
 ``DOUBLE_*`` variables pick a misbehaviour:
 
 * ``DOUBLE_DELAY`` seconds of "loading" before it listens (default 0.5);
@@ -58,12 +59,13 @@ class State:
     lock = threading.Lock()
 
 
-def handler_for(args: argparse.Namespace, mode: str, pace: float):
+def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float):
     names = args.served_model_name or [args.model]
     key = os.environ.get("VLLM_API_KEY", "") or args.api_key or ""
 
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body leave at once, not after the client's delayed ACK
 
         def log_message(self, *a) -> None:
             pass
@@ -101,6 +103,8 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float):
                 State.busy += 1
                 State.prompt += prompt
             try:
+                if prefill:
+                    time.sleep(prompt / prefill)
                 if body.get("stream"):
                     self._stream(body, n, prompt)
                 else:
@@ -187,7 +191,8 @@ def main() -> None:
     log("INFO", "kv_cache_utils.py:1100", "GPU KV cache size: 924,993 tokens, Maximum concurrency for 262,144 "
         "tokens per request: 3.53x")
     server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port),
-                                 handler_for(args, mode, float(os.environ.get("DOUBLE_PACE", "200"))))
+                                 handler_for(args, mode, float(os.environ.get("DOUBLE_PACE", "200")),
+                                             float(os.environ.get("DOUBLE_PREFILL_PACE", "0"))))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
