@@ -193,7 +193,8 @@ def image(tmp_path, series, rig_env) -> Image:
     series.write_toml({"git": series.tree})
     venv = tmp_path / "venv"
     env = {**rig_env, "VENV_DIR": str(venv), "ARCH": "8.6"}
-    env.pop("VIRTUAL_ENV", None)
+    for k in ("VIRTUAL_ENV", "UV_PYTHON", "PYTHON", "UV"):  # nox sets UV_PYTHON to its own session venv
+        env.pop(k, None)
     r = run_rig(env, "build", "--only", "tree,venv")  # the real steps: vllm/ and a CPython 3.13 venv
     assert r.code == 0, r.text[-2000:]
     state = Path(env["RIG_STATE"]) / "build.toml"
