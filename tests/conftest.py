@@ -40,6 +40,17 @@ OPS_PATHS = ["csrc", "CMakeLists.txt", "cmake", "setup.py", "pyproject.toml", "r
              "vllm/envs.py", "vllm/third_party"]
 TAG = "v0.30.0"
 
+
+def variables_table(text: str, header: str = "| Variable | Default | Meaning |") -> list[tuple[str, str, str]]:
+    """The README's variables table below ``header``: (name, default, meaning) per row."""
+    block = text.split(header, 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in block.strip().splitlines()[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        rows.append((cells[0].strip("`"), cells[1], cells[2]))
+    return rows
+
+
 # The files of the small upstream: vLLM's layout, a few lines each.
 def git(cwd: Path, *args: str, check: bool = True) -> str:
     r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, **IDENT})

@@ -5,24 +5,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ROOT, run_rig
+from conftest import ROOT, run_rig, variables_table
 
 from rig import config
 from rig.errors import BadInput
 
 
-def readme_rows() -> list[tuple[str, str, str]]:
-    text = (ROOT / "README.md").read_text()
-    block = text.split("| Variable | Default | Meaning |", 1)[1].split("\n\n", 1)[0]
-    rows = []
-    for line in block.strip().splitlines()[1:]:
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        rows.append((cells[0].strip("`"), cells[1], cells[2]))
-    return rows
-
-
 def test_readme_table_matches_config():
-    assert readme_rows() == [(v.name, v.default, v.meaning) for v in config.VARS]
+    assert variables_table((ROOT / "README.md").read_text()) == [(v.name, v.default, v.meaning) for v in config.VARS]
 
 
 def test_defaults_are_what_the_table_says():
