@@ -181,11 +181,13 @@ def follow(path: Path, start_lines: int, poll: float = 0.05, stop: float | None 
     fh = open(path, "rb")
     ino = os.fstat(fh.fileno()).st_ino
     yield from _tail(fh, start_lines)
+    seen = _before(fh, _MATCH)  # the bytes read last, to know logrotate's copy of this file
     buf = b""
     deadline = None if stop is None else time.monotonic() + stop
     while deadline is None or time.monotonic() < deadline:
         chunk = fh.read(1 << 16)
         if chunk:
+            seen = (seen + chunk)[-_MATCH:]
             buf += chunk
             *done, buf = buf.split(b"\n")
             for raw in done:
@@ -198,16 +200,45 @@ def follow(path: Path, start_lines: int, poll: float = 0.05, stop: float | None 
             time.sleep(poll)  # renamed away, the new file not there yet
             continue
         if st.st_ino != ino or st.st_size < fh.tell():  # rotated (renamed) or truncated (copytruncate)
-            rest = fh.read()  # whatever the writer added before the rotation
-            buf += rest
+            # whatever the writer added before the rotation: still in the renamed file, or, once
+            # truncated, only in logrotate's copy
+            buf += fh.read() if st.st_ino != ino else _from_copy(path, fh.tell(), seen)
             *done, buf = buf.split(b"\n")
             for raw in done:
                 yield raw.decode("utf-8", "replace")
             fh.close()
             fh = open(path, "rb")
             ino = os.fstat(fh.fileno()).st_ino
+            seen = b""
             continue
         time.sleep(poll)
+
+
+_MATCH = 4096  # how many of the bytes read last must match for logrotate's copy to count as this file
+
+
+def _before(fh: IO[bytes], n: int) -> bytes:
+    """The up to ``n`` bytes before the position of ``fh``, which stays where it was."""
+    pos = fh.tell()
+    fh.seek(max(0, pos - n))
+    return fh.read(pos - fh.tell())
+
+
+def _from_copy(path: Path, pos: int, seen: bytes) -> bytes:
+    """After a copytruncate: the bytes from ``pos`` on in the copy (``<path>.1``), if it is this file's copy.
+
+    The lines written between the reader's last read and the truncation survive only there. The copy
+    counts when its bytes before ``pos`` are the ones read last (it is uncompressed: delaycompress);
+    with nothing read yet there is nothing to match, and an older rotation must not be replayed.
+    """
+    if not seen:
+        return b""
+    try:
+        with open(path.with_name(path.name + ".1"), "rb") as cp:
+            cp.seek(pos - len(seen))
+            return cp.read() if cp.read(len(seen)) == seen else b""
+    except OSError:  # no copy
+        return b""
 
 
 def _tail(fh: IO[bytes], n: int) -> list[str]:

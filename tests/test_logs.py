@@ -150,6 +150,45 @@ def writer(path: Path, n: int, rotate_at: int, how: str) -> None:
         time.sleep(0.03)
 
 
+def test_follow_reads_what_a_copytruncate_cut_off_from_the_copy(tmp_path):
+    # the line written after the reader's last read and before the truncation is only in <log>.1
+    f = tmp_path / "vllm.log"
+    f.write_text("first\n")
+    lines = logs.follow(f, 0, poll=0.01, stop=5)
+    assert next(lines) is None  # at the end, nothing new
+    with open(f, "a") as fh:
+        fh.write("second\n")
+    (tmp_path / "vllm.log.1").write_bytes(f.read_bytes())
+    os.truncate(f, 0)
+    with open(f, "a") as fh:
+        fh.write("3\n")
+    got = []
+    for ln in lines:
+        if ln is not None:
+            got.append(ln)
+        elif got:
+            break
+    assert got == ["second", "3"]
+
+
+def test_follow_copytruncate_without_a_matching_copy_replays_nothing(tmp_path):
+    f = tmp_path / "vllm.log"
+    f.write_text("first line of the day\n")
+    (tmp_path / "vllm.log.1").write_text("yesterday, line one\nyesterday, line two\n")
+    lines = logs.follow(f, 0, poll=0.01, stop=5)
+    assert next(lines) is None
+    os.truncate(f, 0)
+    with open(f, "a") as fh:
+        fh.write("new\n")
+    got = []
+    for ln in lines:
+        if ln is not None:
+            got.append(ln)
+        elif got:
+            break
+    assert got == ["new"]
+
+
 def test_follow_across_rotation_loses_nothing_and_repeats_nothing(tmp_path):
     for how in ("rename", "copytruncate"):
         f = tmp_path / f"{how}.log"
