@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from rig import REPO_ROOT, atomic
+from rig import REPO_ROOT, atomic, prose
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
 
@@ -41,9 +41,8 @@ TOOL_VERSION = TOOL.partition("==")[2]
 #: transformers (~300 MB), which it only needs when ``tokenizers`` cannot read the tokenizer.
 TOOL_DEPS = ("aiohttp>=3.9", "numpy>=1.26", "pydantic>=2.12.5", "requests>=2.31", "tabulate>=0.9",
              "tokenizers>=0.15", "matplotlib>=3.8")
-#: llama-benchy's own default book (Project Gutenberg #1661), fetched once into RIG_CACHE.
-BOOK_URL = "https://www.gutenberg.org/files/1661/1661-0.txt"
-BOOK_NAME = "llama-benchy-book.txt"
+#: The default book: prose the rig generates (rig.prose), kept in RIG_CACHE; a bench needs no network.
+BOOK_NAME = f"bench-book-v{prose.VERSION}.txt"
 CACHED = "Saved text to cache: "  # llama-benchy's line naming its cached copy of a fetched book
 DEFAULT_RESULTS = Path("benchmarks") / "results"
 DROP = 0.05  # a throughput this much below the previous run's is flagged
@@ -138,8 +137,8 @@ def usage() -> str:
     lines += [f"  {name:12} default {default:6} {meaning}" for name, default, meaning in POSITIONAL]
     lines += ["", "options of the rig (relative paths are taken from the repository root):",
               f"  --results-dir DIR   where the run folders go (default {DEFAULT_RESULTS})",
-              f"  --book-file FILE    the text prompts are cut from (default RIG_CACHE/{BOOK_NAME}, fetched once "
-              "from llama-benchy's default URL)", "",
+              f"  --book-file FILE    the text prompts are cut from (default RIG_CACHE/{BOOK_NAME}, prose the "
+              "rig generates: no network needed)", "",
               "Every other argument goes to llama-benchy unchanged: --runs N, --enable-prefix-caching, --no-cache, "
               "--skip-coherence, --latency-mode, --book-url URL, ...", "The rig sets these itself:"]
     lines += [f"  {opt:15} {src}" for opt, src in FIXED.items()]
@@ -351,15 +350,13 @@ def plot(req: Request, data: dict) -> bytes:
 # --- the book, served on loopback ---------------------------------------------------------------
 
 def book_file(req: Request, cache: Path) -> Path:
-    """The book text: --book-file, or the copy in RIG_CACHE (fetched once from llama-benchy's default URL)."""
+    """The book text: --book-file, or prose the rig generates into RIG_CACHE (no network needed)."""
     if req.book is not None:
         path = req.book
         fix = "pass --book-file with a plain UTF-8 text file (any long text works; a short one is repeated)"
     else:
-        path = cache / BOOK_NAME
-        fix = f"copy any long plain UTF-8 text to {path}, or pass --book-file FILE"
-        if not path.is_file():
-            _fetch_book(path, fix)
+        path = prose.ensure(cache / BOOK_NAME)
+        fix = f"remove {path} (it is made again), or pass --book-file FILE"
     if not path.is_file() or path.stat().st_size == 0:
         found = "an empty file" if path.is_file() else "nothing there"
         raise BadInput(problem(f"book text {path}", "a plain UTF-8 text file", found, fix))
@@ -368,19 +365,6 @@ def book_file(req: Request, cache: Path) -> Path:
     except UnicodeDecodeError as exc:
         raise BadInput(problem(f"book text {path}", "UTF-8 text", f"undecodable bytes ({exc.reason})", fix)) from exc
     return path
-
-
-def _fetch_book(path: Path, fix: str) -> None:
-    import requests
-
-    say(f"book text: fetching {BOOK_URL} once into {path}")
-    try:
-        r = requests.get(BOOK_URL, timeout=30)
-        r.raise_for_status()
-    except requests.RequestException as exc:
-        raise BadInput(problem(f"book text {path}", f"a copy there, or {BOOK_URL} reachable",
-                               f"no copy, and the fetch failed ({exc.__class__.__name__})", fix)) from exc
-    atomic.write_bytes(path, r.content)
 
 
 @contextmanager

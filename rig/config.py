@@ -63,7 +63,8 @@ VARS: tuple[Var, ...] = (
     Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order."),
     Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI, "
         "the engine's pid file."),
-    Var("MODEL_NAME", "qwen38-flash-next", "The served model name (a request's `model`); spaces make aliases."),
+    Var("MODEL_NAME", "`qwen38-flash-next` (`start.sh`), `Hinata` (compose, systemd)",
+        "The served model name (a request's `model`); spaces make aliases."),
     Var("VLLM_API_KEY", "empty", "The API key; empty: no authentication. Reaches vLLM through its environment, "
         "never the command line."),
     Var("CACHE_ROOT", ".vllm-cache", "One cache root for vLLM, Triton, TorchInductor and FlashInfer "
@@ -94,6 +95,10 @@ VARS: tuple[Var, ...] = (
     Var("CACHE_HOST_DIR", ".vllm-cache", "Container: the host folder mounted as the compile cache at `/cache`.",
         "compose"),
 )
+
+#: The served name of each path when MODEL_NAME is unset: start.sh's, and the container's and service's.
+START_MODEL_NAME = "qwen38-flash-next"
+SERVICE_MODEL_NAME = "Hinata"
 
 VAR_NAMES = frozenset(v.name for v in VARS)
 RIG_VARS = frozenset(v.name for v in VARS if v.reader == "rig")
@@ -277,9 +282,9 @@ def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = Non
     """Read and check the serve variables."""
     env = os.environ if env is None else env
     root = REPO_ROOT if root is None else Path(root)
-    names = tuple((env.get("MODEL_NAME", "") or "qwen38-flash-next").split())
+    names = tuple((env.get("MODEL_NAME", "") or START_MODEL_NAME).split())
     if not names:
-        raise BadInput(problem("MODEL_NAME", "one or more names", "only spaces", "set MODEL_NAME=qwen38-flash-next"))
+        raise BadInput(problem("MODEL_NAME", "one or more names", "only spaces", f"set MODEL_NAME={START_MODEL_NAME}"))
     max_seqs = _int(env, "MAX_SEQS", 4)
     batched = _int(env, "MAX_BATCHED_TOKENS", 2048)
     if batched < max_seqs:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rig.config import Serve, Settings
+from rig.errors import BadInput, problem
 from rig.topology import Topology, engine_args
 
 #: The context length of the reference model, in tokens.
@@ -46,6 +48,38 @@ def cache_env(root: Path) -> dict[str, str]:
     """One cache root for every compile cache, so a crash-corrupted one is one folder to clear."""
     return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TRITON_CACHE_DIR": str(root / "triton"),
             "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "FLASHINFER_WORKSPACE_BASE": str(root / "flashinfer")}
+
+
+def clear_cache(root: Path) -> list[str]:
+    """Empty the rig's caches under ``root`` (the folders :func:`cache_env` names); what was removed.
+
+    CACHE_ROOT is a user's setting: it may name a folder that holds other things (a model, a home).
+    Only the rig's own subfolders are removed, and a root holding anything else is refused whole.
+    """
+    known = sorted(Path(p).name for p in cache_env(root).values())
+    if not root.exists() and not root.is_symlink():
+        return []
+    if not root.is_dir():
+        raise BadInput(problem(f"CACHE_ROOT={root}", "a folder", "not a folder", "point CACHE_ROOT at a folder "
+                               "of its own (the default is .vllm-cache); nothing was removed"))
+    others = sorted(p.name for p in root.iterdir() if p.name not in known)
+    if others:
+        shown = ", ".join(others[:10]) + (f" and {len(others) - 10} more" if len(others) > 10 else "")
+        raise BadInput(problem(
+            f"CACHE_ROOT={root} for --clear-cache", f"a folder holding only the rig's caches ({', '.join(known)})",
+            f"also {shown}", "point CACHE_ROOT at a folder of its own (the default is .vllm-cache), or move "
+            "those out of it; nothing was removed"))
+    removed = []
+    for name in known:
+        path = root / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()  # a link is removed, never what it points at
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def command(s: Settings, v: Serve, t: Topology, scales: Path | None) -> Engine:

@@ -128,7 +128,7 @@ def _scratch_base(s: config.Settings, sr: series.Series, where: Path) -> tree.Bu
     if rec is not None and rec.tag == sr.tag and not s.fetch and repo.rev(rec.base):
         repo.run("worktree", "add", "--quiet", "--detach", str(where), rec.base)
         return tree.Built(where, Git(where), rec.source, rec.origin, rec.base, "", "", repo)
-    return tree._fresh_base(s, sr, where)
+    return tree._fresh_base(s, sr, where, accept=True)  # inspected, not compared
 
 
 def check(s: config.Settings) -> int:
@@ -187,7 +187,7 @@ def rebase(s: config.Settings, version: str, keep_going: bool, out: Path | None)
                                "a folder with files", "move it away, or name another with --out DIR"))
     scratch = Path(tempfile.mkdtemp(prefix=".rig-rebase-", dir=s.vllm_dir.parent)) / "repo"
     fresh = dataclasses.replace(s, fetch=True)  # never the base of vllm/: this is another version
-    built = tree._fresh_base(fresh, target, scratch)
+    built = tree._fresh_base(fresh, target, scratch, accept=True)
     try:
         reports = walk(built.repo, files, target, three_way=True, keep_going=keep_going)
         for r in reports:
@@ -276,7 +276,7 @@ def new(s: config.Settings, name: str) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         say(f"exported {len(names)} commit(s): {', '.join(names)}")
         try:
-            built = tree._build(s, sr, series.patch_files(s.patches_dir), repo, rec)
+            built = tree._build(s, sr, series.patch_files(s.patches_dir), repo, rec, accept=True)
         except BaseException:
             for nm in names:
                 (s.patches_dir / nm).unlink(missing_ok=True)

@@ -115,16 +115,56 @@ def load(patches_dir: Path) -> Series:
     )
 
 
+#: Suffixes of patch files in any case: a file with one is part of the series, or refused, never skipped.
+PATCH_SUFFIXES = (".patch", ".diff", ".mbox", ".eml", ".rej", ".orig")
+#: First lines of a file that is a patch whatever its name.
+PATCH_STARTS = re.compile(r"^(?:From [0-9a-f]{40} |diff --git |diff -|Index: |--- \S|Subject: \[PATCH)")
+
+
+def looks_like_patch(path: Path) -> bool:
+    """Whether a file in the series folder is meant as a patch: by its name, its suffix or its first line."""
+    name = path.name
+    if name.lower().endswith(PATCH_SUFFIXES) or re.match(r"^\d+[-_.]", name):
+        return True
+    if name.startswith(".") or not path.is_file():
+        return False
+    with open(path, "rb") as fh:
+        first = fh.read(256).decode("utf-8", "replace").lstrip("\ufeff").split("\n", 1)[0]
+    return bool(PATCH_STARTS.match(first))
+
+
 def patch_files(patches_dir: Path) -> list[Path]:
-    """The series' patch files in apply order, each checked to be a mail-format patch."""
+    """The series' patch files in apply order, each checked to be a mail-format patch.
+
+    Anything else in the folder that looks like a patch (``0003-x.diff``, ``0003-x.PATCH``, a mail
+    without the ``.patch`` suffix) is refused by name: a patch that is silently skipped builds a
+    different tree than its author meant. Sub-folders (``optional/``) are not part of the series.
+    """
     patches_dir = Path(patches_dir)
-    files = sorted(p for p in patches_dir.iterdir() if p.suffix == ".patch" or PATCH_NAME.match(p.name))
+    entries = sorted(p for p in patches_dir.iterdir() if p.name != "series.toml" and not p.is_dir())
+    files = [p for p in entries if PATCH_NAME.match(p.name)]
+    for p in entries:
+        if p not in files and looks_like_patch(p):
+            raise BadInput(problem(
+                f"{p}", "every patch of the series named NNNN-short-name.patch (four digits, apply order, "
+                "lower-case .patch)", f"{p.name!r}, which would not be applied",
+                f"rename it (e.g. git mv {p} {patches_dir}/{_suggest(p.name)}), or move it out of "
+                f"{patches_dir} (patches/optional/ holds patches kept out of the build)"))
     for p in files:
         if not PATCH_NAME.match(p.name):
             raise BadInput(problem(f"{p}", "a name like NNNN-short-name.patch (four digits, apply order)",
                                    repr(p.name), f"rename it, e.g. git mv {p} {patches_dir}/0100-{p.stem}.patch"))
         check_mail_format(p)
     return files
+
+
+def _suggest(name: str) -> str:
+    """A series name for ``name``: its digits (or 0100) and its stem, with ``.patch``."""
+    stem = re.sub(r"(?i)(\.(patch|diff|mbox|eml|rej|orig))+$", "", name)
+    m = re.match(r"^(\d+)[-_.]?(.*)$", stem)
+    num, rest = (f"{int(m[1]):04d}", m[2]) if m and int(m[1]) < 10000 else ("0100", m[2] if m else stem)
+    rest = re.sub(r"[^A-Za-z0-9._+-]+", "-", rest).strip("-.") or "patch"
+    return f"{num}-{rest}.patch"
 
 
 def check_mail_format(path: Path) -> None:

@@ -6,7 +6,6 @@ Each stage lives in its own module (``rig.box``, ``rig.topology``, ``rig.engine`
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -85,7 +84,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         say(f"log: {s.log or 'the terminal (LOG is empty)'}; mode: "
             f"{'foreground' if foreground or not s.log else 'detached'}; dry run: nothing started")
         return 0
-    if clear_cache and v.cache_root.exists():
-        shutil.rmtree(v.cache_root)
-        say(f"cache: emptied {v.cache_root}")
+    if clear_cache:
+        removed = engine.clear_cache(v.cache_root)
+        say(f"cache: emptied {v.cache_root} ({', '.join(removed) or 'nothing there yet'})")
     return supervise.start(supervise.Launch(s, v, eng, foreground=foreground or not s.log))

@@ -32,7 +32,7 @@ ENV_FILE = "etc/default/vllm"
 LOGROTATE = "etc/logrotate.d/vllm"
 RECORD = "var/lib/vllm-rig/installed.toml"
 #: Set in the environment file the service reads (the rest are commented defaults).
-ENV_SET = {"MODEL_NAME": "Hinata"}
+ENV_SET = {"MODEL_NAME": config.SERVICE_MODEL_NAME}
 #: Variables of the build only, or of other tools: not offered in the service's environment file.
 ENV_SKIP = {"MAX_JOBS", "ARCH", "NVCC_THREADS", "OPS_ROUTE", "STATUS_INTERVAL", "BUILD_LOG_DIR", "UV", "FETCH",
             "PACK", "CCACHE_DIR", "VLLM_UPSTREAM_URL", "VLLM_SOURCE", "INDEX_URL", "RIG_CACHE", "PYTHON",

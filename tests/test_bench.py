@@ -191,11 +191,21 @@ def test_a_broken_tokenizer_is_named(tmp_path, monkeypatch, capsys, assets):
     assert "tokenizers package reads" in capsys.readouterr().err
 
 
-def test_no_book_and_no_network_says_where_to_put_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "BOOK_URL", f"http://127.0.0.1:{free_port()}/1661-0.txt")
-    with pytest.raises(BadInput) as exc:
-        bench.book_file(Request(1, 1, (1,), (0,)), tmp_path)
-    assert str(tmp_path / bench.BOOK_NAME) in exc.value.message and "--book-file" in exc.value.message
+def test_default_book_is_generated_without_network_and_the_same_every_time(tmp_path, monkeypatch):
+    """A bench run needs nothing but the server: the default book is made on the box, byte for byte the same."""
+    import socket
+
+    def no_network(*a, **k):
+        raise AssertionError("the default book must not touch the network")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    path = bench.book_file(Request(1, 1, (1,), (0,)), tmp_path / "a")
+    again = bench.book_file(Request(1, 1, (1,), (0,)), tmp_path / "b")
+    text = path.read_text(encoding="utf-8")
+    assert path.name == bench.BOOK_NAME and path.read_bytes() == again.read_bytes()
+    assert len(text.split()) >= 200_000 and "\n\n" in text and len(set(text.split())) > 200
+    path.write_text("cut short")  # a copy that is not the generated text is made again
+    assert bench.book_file(Request(1, 1, (1,), (0,)), tmp_path / "a").read_bytes() == again.read_bytes()
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(BadInput, match="empty file"):
@@ -323,9 +333,7 @@ def test_a_slower_server_is_flagged_against_the_previous_run(first, assets, tmp_
 
 
 def test_depth_sweep_with_prefix_caching_overrides_and_an_api_key(assets, tmp_path):
-    cache = tmp_path / "rig-cache"
-    cache.mkdir()
-    shutil.copy(assets["book"], cache / bench.BOOK_NAME)  # the default book: RIG_CACHE's copy
+    cache = tmp_path / "rig-cache"  # the default book: generated into RIG_CACHE
     double = Double(tmp_path, VLLM_API_KEY="s3cret")
     try:
         env = base_env(assets, None, BASE_URL=f"http://127.0.0.1:{double.port}/v1", MODEL=double.name,

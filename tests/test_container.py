@@ -354,7 +354,7 @@ def test_compose_renders_with_the_example_env(tmp_path):
     e = svc["environment"]
     assert e["CKPT"] == "/models/Qwen3.8-Flash-Next" and e["SCALES"] == "/opt/vllm/qsa_kv_scales.json"
     assert (e["HOST"], e["PORT"], e["LOG"], e["CACHE_ROOT"]) == ("0.0.0.0", "8000", "", "/cache")
-    assert e["ABLITERATION_DIR"] == "/opt/qwen38/abliteration" and e["MODEL_NAME"] == "qwen38-flash-next"
+    assert e["ABLITERATION_DIR"] == "/opt/qwen38/abliteration" and e["MODEL_NAME"] == config.SERVICE_MODEL_NAME
     assert e["VLLM_API_KEY"] == "" and e["QWEN38_ABLITERATION"] == "Qwen3.8-Flash-Next-Uncensored"
     assert svc["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": 8000, "published": "8080",
                              "protocol": "tcp"}]
@@ -406,7 +406,9 @@ def test_env_example_lists_every_variable_compose_reads_at_the_rig_defaults():
         assert lines[n - 1].startswith("# ") and len(lines[n - 1]) > 12, f"{name} needs a line of meaning"
         m = re.search(rf"\$\{{{name}(:?-)([^}}]*)\}}", text)
         default = by[name].default
-        if name == "MODEL_DIR":
+        if name == "MODEL_NAME":  # the container's own default, not start.sh's
+            assert value == config.SERVICE_MODEL_NAME and m and m[2] == value, (name, value)
+        elif name == "MODEL_DIR":
             assert re.search(r"\$\{MODEL_DIR:\?[^}]+\}", text) and value == by["CKPT"].default
         elif default.startswith("`"):  # a default made of another variable: empty here, compose fills it in
             assert value == "" and m and m[1] == ":-", name
@@ -414,6 +416,23 @@ def test_env_example_lists_every_variable_compose_reads_at_the_rig_defaults():
             want = "" if default == "empty" else default
             assert value == want, (name, value, default)
             assert m and m[2] == value, (name, m and m[2])
+
+
+@pytest.mark.parametrize("readme", ["README.md", "README.id.md"])
+def test_readme_docker_run_mounts_the_checkpoint_where_the_image_looks(tmp_path, readme):
+    """The README's own `docker run` line, compose's rendered mount and the image's CKPT name one path."""
+    text = (ROOT / readme).read_text()
+    block = re.search(r"```bash\n(docker run [^`]*?)```", text, re.S)
+    assert block, f"{readme} has no docker run block"
+    argv = shlex.split(block[1].replace("\\\n", " "))
+    mounts = [argv[i + 1].split(":") for i, a in enumerate(argv) if a == "-v"]
+    ro = [m[1] for m in mounts if m[-1] == "ro"]
+    ckpt = image_env()["CKPT"]
+    assert ro == [ckpt], (ro, ckpt)
+    env = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-e")
+    assert env.get("MODEL_NAME") == config.SERVICE_MODEL_NAME
+    svc, _ = rendered(tmp_path)
+    assert svc["environment"]["CKPT"] == ckpt and ckpt in {v["target"] for v in svc["volumes"]}
 
 
 # -- the container's command: start.sh in the foreground, stopped by Docker's SIGTERM ---------------------------

@@ -171,6 +171,8 @@ def test_vllm_removed_or_replaced_by_hand_is_reinstalled(series, ops_env, tmp_pa
     assert (want in r.out and "reinstalling" in r.out) or "product(s) differ" in r.out, r.out
     assert installed_vllm(config.settings(env)) == ("0.30.0", "")
     assert op_result(env) == "2"
+    again = run_rig(env, "build", "--only", STEPS)  # the repair left every record true: nothing to redo
+    assert again.code == 0 and again.out.count("current:") == 3, again.out
 
 
 def test_kill_9_during_the_build_is_not_trusted(series, ops_env, tmp_path):

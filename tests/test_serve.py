@@ -318,3 +318,37 @@ def test_the_older_scales_name_is_accepted_saying_so(rig_env, monkeypatch, capsy
     assert serve.start(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
     cap = capsys.readouterr()
     assert "the older name qsa_kv_scales_swift.json" in cap.err and "qsa_kv_scales_swift.json" in cap.out
+
+
+# --- --clear-cache removes the rig's caches and nothing else ----------------------------------------------------
+
+def test_clear_cache_refuses_a_root_that_holds_anything_else(rig_env, tmp_path):
+    """CACHE_ROOT pointed at a folder of model weights must lose nothing."""
+    root = tmp_path / "models"
+    (root / "vllm").mkdir(parents=True)
+    (root / "weights.safetensors").write_bytes(b"weights")
+    r = start({**rig_env, "CACHE_ROOT": str(root)}, "--clear-cache")
+    assert r.code == 2, r.text
+    assert f"CACHE_ROOT={root}" in r.err and "weights.safetensors" in r.err and "nothing was removed" in r.err
+    assert (root / "weights.safetensors").read_bytes() == b"weights" and (root / "vllm").is_dir()
+    assert not Path(rig_env["DOUBLE_RECORD"]).exists()  # no engine was started
+
+
+def test_clear_cache_removes_only_the_rig_subfolders_and_never_through_a_link(tmp_path):
+    from rig import engine
+
+    root = tmp_path / "cache"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"keep")
+    for name in ("vllm", "triton", "inductor"):
+        (root / name / "sub").mkdir(parents=True)
+        (root / name / "sub" / "f").write_text("x")
+    (root / "flashinfer").symlink_to(outside)
+    assert engine.clear_cache(root) == ["flashinfer", "inductor", "triton", "vllm"]
+    assert root.is_dir() and not any(root.iterdir())
+    assert (outside / "keep.bin").read_bytes() == b"keep"
+    assert engine.clear_cache(tmp_path / "absent") == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BadInput, match="not a folder"):
+        engine.clear_cache(tmp_path / "file")

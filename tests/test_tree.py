@@ -218,6 +218,55 @@ def test_a_patch_without_the_number_prefix_is_refused(series, rig_env):
     assert "fix-api.patch" in r.err and "NNNN-short-name.patch" in r.err
 
 
+@pytest.mark.parametrize("name", ["0003-x.diff", "0003-x.PATCH", "0003-x.Patch", "0003-x.patch.orig",
+                                  "3-fix.patch", "fix-api", "fix-api.txt"])
+def test_a_file_that_looks_like_a_patch_but_would_be_skipped_is_refused(series, rig_env, tmp_path, name):
+    """A patch the series would silently skip builds another tree than its author meant: refuse it by name."""
+    series.commit("api: patched", PY_PATCH)
+    accept_current(series)
+    patch = next(series.patches.glob("*.patch"))
+    patch.rename(series.patches / name)
+    r = run_rig(rig_env, "tree")
+    assert r.code == 2, r.text
+    assert name in r.err and "would not be applied" in r.err and "NNNN-short-name.patch" in r.err
+    assert not (tmp_path / "vllm").exists()
+
+
+def test_notes_and_folders_beside_the_series_are_not_patches(series, rig_env):
+    series.commit("api: patched", PY_PATCH)
+    accept_current(series)
+    (series.patches / "README.md").write_text("# The series\n\nHow these patches are kept.\n")
+    (series.patches / "optional").mkdir()
+    (series.patches / "optional" / "0101-x.patch").write_text("not in the build\n")
+    r = run_rig(rig_env, "tree")
+    assert r.code == 0, r.text
+
+
+def test_an_untracked_file_where_a_new_patch_adds_one_is_refused_and_kept(series, rig_env, tmp_path):
+    """reset --hard would overwrite it: the user's file stops the landing instead."""
+    assert run_rig(rig_env, "tree").code == 0
+    vllm = tmp_path / "vllm"
+    mine = vllm / "vllm" / "entrypoints" / "chat.py"
+    mine.write_text("my own work, never committed\n")
+    nested = vllm / "docs" / "notes"  # a file where the new tree puts a folder
+    nested.parent.mkdir(parents=True)
+    nested.write_text("mine too\n")
+    head = git(vllm, "rev-parse", "HEAD")
+    series.commit("chat: new", {"vllm/entrypoints/chat.py": "CHAT = 1\n", "docs/notes/index.md": "new page\n"})
+    accept_current(series)
+    r = run_rig(rig_env, "tree")
+    assert r.code == 2, r.text
+    assert "vllm/entrypoints/chat.py" in r.err and "docs/notes" in r.err and "nothing was touched" in r.err
+    assert mine.read_text() == "my own work, never committed\n" and nested.read_text() == "mine too\n"
+    assert git(vllm, "rev-parse", "HEAD") == head
+    mine.unlink()
+    nested.unlink()
+    (vllm / "vllm" / "_C.abi3.so").write_bytes(b"an untracked file in no new path")
+    r = run_rig(rig_env, "tree")
+    assert r.code == 0, r.text
+    assert (vllm / "vllm" / "_C.abi3.so").read_bytes() == b"an untracked file in no new path"
+
+
 @pytest.mark.parametrize("edit", ["uncommitted", "committed"])
 def test_local_edits_are_refused_and_kept(series, rig_env, tmp_path, edit):
     assert run_rig(rig_env, "tree").code == 0

@@ -77,11 +77,41 @@ def test_sdist_base_commit_is_the_same_on_every_run(series, rig_env, sdist, tmp_
 
 def test_auto_falls_back_to_the_sdist_and_says_so(series, rig_env, sdist, tmp_path):
     data, idx = sdist
-    series.write_toml({"sdist": tree_of_sdist(data, tmp_path)})
+    series.write_toml({"git": series.tree, "sdist": tree_of_sdist(data, tmp_path)})
     r = run_rig(sdist_env(rig_env, idx, tmp_path, source="auto"), "tree")
     assert r.code == 0, r.text
     assert "unreachable" in r.out and "falling back to the PyPI sdist" in r.out
     assert r.fact("source") == "sdist"
+
+
+def test_auto_with_git_reachable_takes_the_sdist_when_only_its_tree_is_recorded(series, rig_env, sdist, tmp_path):
+    """A machine that reaches the git host must not stop at step 2 when series.toml records the sdist's tree."""
+    data, idx = sdist
+    series.write_toml({"sdist": tree_of_sdist(data, tmp_path)})
+    env = {**rig_env, "VLLM_SOURCE": "auto", "INDEX_URL": idx.url}  # VLLM_UPSTREAM_URL: the reachable fixture
+    r = run_rig(env, "tree")
+    assert r.code == 0, r.text
+    assert r.fact("source") == "sdist"
+    assert "records an expected tree for the sdist only" in r.out
+    again = run_rig(env, "tree")
+    assert again.code == 0 and "current:" in again.out, again.text
+
+
+def test_auto_with_git_reachable_takes_git_when_its_tree_is_recorded(series, rig_env, sdist, tmp_path):
+    data, idx = sdist
+    series.write_toml({"git": series.tree, "sdist": tree_of_sdist(data, tmp_path)})
+    r = run_rig({**rig_env, "VLLM_SOURCE": "auto", "INDEX_URL": idx.url}, "tree")
+    assert r.code == 0, r.text
+    assert r.fact("source") == "git" and "reachable" in r.out
+
+
+def test_auto_with_only_a_git_tree_and_git_unreachable_names_the_fix(series, rig_env, sdist, tmp_path):
+    _, idx = sdist
+    r = run_rig(sdist_env(rig_env, idx, tmp_path, source="auto"), "tree")  # the fixture records git only
+    assert r.code == 2, r.text
+    assert "VLLM_SOURCE=auto" in r.err and "[expected.sdist]" in r.err and "unreachable" in r.err
+    assert "VLLM_SOURCE=sdist ./build.sh --only tree --accept" in r.err
+    assert not (tmp_path / "vllm").exists()
 
 
 def test_pinned_sha_lets_fetch_1_work_offline_from_the_cache(series, rig_env, sdist, tmp_path):
@@ -121,6 +151,7 @@ def test_git_unreachable_and_sdist_unavailable(series, rig_env, tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    series.write_toml({"git": series.tree, "sdist": "0" * 40})
     env = {**rig_env, "VLLM_SOURCE": "auto", "VLLM_UPSTREAM_URL": str(tmp_path / "gone"),
            "INDEX_URL": f"http://127.0.0.1:{port}/simple"}
     r = run_rig(env, "tree")

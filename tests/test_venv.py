@@ -98,3 +98,24 @@ def test_uv_path_that_is_not_uv_is_refused(tmp_path, fake):
     r = run_rig(env_for(tmp_path, UV=shutil.which(fake)), "build", "--only", "venv")
     assert r.code == 2
     assert f"UV={shutil.which(fake)}" in r.err and not (tmp_path / ".venv").exists()
+
+
+def test_force_replaces_an_existing_venv_from_its_base_python(tmp_path):
+    """--force must never take the venv's own bin/python (what discovery finds first) as the new base."""
+    env = env_for(tmp_path)
+    assert run_rig(env, "build", "--only", "venv").code == 0
+    # uv's discovery, like a shell with the venv active, finds this venv first
+    r = run_rig({**env, "VIRTUAL_ENV": str(tmp_path / ".venv")}, "build", "--only", "venv", "--force")
+    assert r.code == 0, r.text
+    assert venv_version(tmp_path / ".venv") == "(3, 13)"
+    assert str(tmp_path / ".venv") not in r.out.split("CPython 3.13: ", 1)[1].split("\n", 1)[0]
+    assert not list(tmp_path.glob(".venv.old-*"))
+
+
+def test_a_venv_python_named_by_python_gives_its_base(tmp_path):
+    env = env_for(tmp_path)
+    assert run_rig(env, "build", "--only", "venv").code == 0
+    inner = str(tmp_path / ".venv" / "bin" / "python")
+    python, _ = venv.find_python(config.settings({**env, "PYTHON": inner}))
+    assert not Path(os.path.realpath(python)).is_relative_to(tmp_path / ".venv")
+    assert venv.probe(python)[0] == (3, 13)

@@ -144,6 +144,9 @@ class InstallStep(Step):
                 wheel, _ = upstream.fetch_file(s.cache, s.index_url, upstream.wheel_name(sr.version),
                                                rec.facts.get("wheel_sha256"), "the build record's wheel_sha256")
             pip_install(s, ctx, rec.facts["route"], ops["version"], wheel, "reinstall")
+            # the reinstall wrote the kernels again for the same inputs: record them, or ops would redo its work
+            rec = products.collect(s.vllm_dir, rec.facts)
+            products.write(s.vllm_dir, rec)
             version, wrong = installed_vllm(s)
             if wrong:
                 raise WorkFailed(f"after the reinstall: {wrong}. Fix: remove {s.venv_dir} and run ./build.sh")

@@ -44,6 +44,12 @@ def product_paths(vllm_dir: Path) -> list[str]:
     return sorted(paths)
 
 
+def product_paths_recorded(vllm_dir: Path) -> list[str]:
+    """The files the kernels' record names, and the record itself: the rig's own untracked files."""
+    rec = read(vllm_dir)
+    return [RECORD, SUMS, *(rec.files if rec else ())]
+
+
 def collect(vllm_dir: Path, facts: dict) -> Record:
     files = {}
     for rel in product_paths(vllm_dir):

@@ -22,6 +22,7 @@ from pathlib import Path
 import tomli_w
 
 from rig import atomic, series, upstream
+from rig.build import products
 from rig.build.pipeline import Context, Status, Step
 from rig.config import Settings
 from rig.console import say
@@ -88,6 +89,27 @@ def local_edits(repo: Git, rec: TreeRecord | None) -> list[str]:
     return edits
 
 
+def _parents(path: str) -> list[str]:
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def in_the_way(repo: Git, built: Built, vllm_dir: Path) -> list[str]:
+    """Untracked files in ``vllm/`` that landing ``built`` would overwrite or remove (the kernels aside).
+
+    ``git reset --hard`` replaces an untracked file silently where the new tree has a file (or a
+    folder) of that name; such a file is the user's, so it must stop the landing instead.
+    """
+    untracked = [p for p in repo.run("ls-files", "--others", "-z")[1].split("\0") if p]
+    if not untracked:
+        return []
+    ours = set(products.product_paths_recorded(vllm_dir))
+    new = {p for p in built.repo.run("ls-tree", "-r", "--name-only", "-z", built.head)[1].split("\0") if p}
+    new_dirs = {d for p in new for d in _parents(p)}
+    return [u for u in untracked if u not in ours and
+            (u in new or u in new_dirs or any(d in new for d in _parents(u)))]
+
+
 @dataclass
 class Built:
     """A tree built in scratch, not yet moved into ``vllm/``."""
@@ -126,7 +148,9 @@ class TreeStep(Step):
         repo = Git(s.vllm_dir)
         if repo.rev("HEAD") != rec.head or repo.tracked_changes():
             return Status(False, "vllm/ differs from the commit the rig made")
-        exp = sr.expected_for(rec.source)
+        exp = sr.expected.get(rec.source)
+        if exp is None:
+            return Status(False, f"series.toml records no expected tree for the {rec.source} vllm/ was made from")
         if exp.tree != rec.tree:
             return Status(False, f"series.toml expects tree {exp.tree}, vllm/ has {rec.tree}")
         return Status(True, f"tree {rec.tree} matches series.toml (verified {exp.verified})",
@@ -158,8 +182,14 @@ class TreeStep(Step):
                     + (f"(git -C vllm reset --hard {rec.head})" if rec else "(move vllm/ away)")
                     + "; nothing was touched"))
         _clean_stale(s.vllm_dir, repo if rec else None)
-        built = _build(s, sr, files, repo, rec)
+        built = _build(s, sr, files, repo, rec, ctx.options.accept)
         try:
+            if rec is not None and (lost := in_the_way(repo, built, s.vllm_dir)):
+                shown = "; ".join(lost[:20]) + (f"; and {len(lost) - 20} more" if len(lost) > 20 else "")
+                raise BadInput(problem(
+                    f"{s.vllm_dir}", "no untracked file where the series puts a file",
+                    f"{len(lost)} untracked file(s) the new tree would overwrite: {shown}",
+                    f"move them out of {s.vllm_dir} (or commit and export them as a patch); nothing was touched"))
             exp = sr.expected.get(built.source)
             if ctx.options.accept:
                 old = exp.tree if exp else "none"
@@ -208,16 +238,16 @@ def _clean_stale(vllm_dir: Path, repo: Git | None) -> None:
         repo.run("worktree", "prune", check=False)
 
 
-def _build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: TreeRecord | None) -> Built:
+def _build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: TreeRecord | None,
+           accept: bool) -> Built:
     """The base plus the series, in scratch; vllm/ is not touched."""
     scratch = _scratch_path(s.vllm_dir)
-    reuse = rec is not None and not s.fetch and s.source in ("auto", rec.source) and repo.rev(rec.base)
-    if reuse:
+    if _reusable(s, sr, rec, accept) and repo.rev(rec.base):
         say(f"base: {rec.tag} from the {rec.source} ({rec.base[:12]}), already in {s.vllm_dir}")
         repo.run("worktree", "add", "--quiet", "--detach", str(scratch), rec.base)
         built = Built(scratch, Git(scratch), rec.source, rec.origin, rec.base, "", "", repo)
     else:
-        built = _fresh_base(s, sr, scratch)
+        built = _fresh_base(s, sr, scratch, accept)
     try:
         _apply(built.repo, files, s.patches_dir)
         built.head = built.repo.rev("HEAD") or ""
@@ -228,14 +258,40 @@ def _build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: Tr
     return built
 
 
-def _fresh_base(s: Settings, sr: series.Series, scratch: Path) -> Built:
+def _reusable(s: Settings, sr: series.Series, rec: TreeRecord | None, accept: bool) -> bool:
+    """Whether the base already in vllm/ serves: same source, and (auto) one series.toml has a tree for."""
+    if rec is None or s.fetch:
+        return False
+    if s.source != "auto":
+        return s.source == rec.source
+    return accept or not sr.expected or rec.source in sr.expected
+
+
+def auto_source(url: str, sr: series.Series, accept: bool) -> str:
+    """VLLM_SOURCE=auto: git when reachable, else the sdist, among the sources series.toml has a tree for."""
+    recorded = [src for src in ("git", "sdist") if src in sr.expected]
+    if recorded == ["sdist"] and not accept:
+        say("source: the PyPI sdist (VLLM_SOURCE=auto; series.toml records an expected tree for the sdist only)")
+        return "sdist"
+    ok, why = upstream.git_reachable(url, sr.tag)
+    if ok:
+        say(f"source: git {url} (VLLM_SOURCE=auto; reachable, tag {sr.tag})")
+        return "git"
+    if recorded == ["git"] and not accept:
+        raise BadInput(problem(
+            f"VLLM_SOURCE=auto in {sr.path}", "a reachable source with an expected tree",
+            f"git {url} unreachable ({why}), and no [expected.sdist] tree",
+            "set VLLM_UPSTREAM_URL to a reachable mirror, or record the sdist's tree once: "
+            "VLLM_SOURCE=sdist ./build.sh --only tree --accept"))
+    say(f"git source {url} unreachable ({why}); falling back to the PyPI sdist")
+    return "sdist"
+
+
+def _fresh_base(s: Settings, sr: series.Series, scratch: Path, accept: bool) -> Built:
     url = s.upstream_url or sr.git_url or upstream.DEFAULT_GIT_URL
     source = s.source
     if source == "auto":
-        ok, why = upstream.git_reachable(url, sr.tag)
-        source = "git" if ok else "sdist"
-        if not ok:
-            say(f"git source {url} unreachable ({why}); falling back to the PyPI sdist")
+        source = auto_source(url, sr, accept)
     elif source == "git":
         ok, why = upstream.git_reachable(url, sr.tag)
         if not ok:

@@ -26,11 +26,15 @@ INSTALL_HINT = ("install CPython 3.13 (pyenv install 3.13, or apt-get install py
                 "or point PYTHON at one")
 
 
+# The interpreter a venv stands on, not the venv's own ``bin/python``: a venv is never a base for another.
+PROBE = ("import sys; exe = sys.executable if sys.prefix == sys.base_prefix else "
+         "getattr(sys, '_base_executable', sys.executable); print(*sys.version_info[:2], exe)")
+
+
 def probe(python: str) -> tuple[tuple[int, int], str] | None:
-    """(major, minor) and sys.executable of ``python``, or None when it does not run."""
+    """(major, minor) and the base interpreter of ``python`` (itself unless it is a venv's), or None."""
     try:
-        r = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2], sys.executable)"],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     parts = r.stdout.split()
@@ -54,8 +58,21 @@ def pyenv_pythons() -> list[Path]:
     return sorted(found, key=lambda p: [int(x) for x in p.parent.parent.name.split(".")], reverse=True)
 
 
+def _inside(path: str, folder: Path) -> bool:
+    """Whether ``path`` lies in ``folder`` (links resolved on both sides)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
 def find_python(s: Settings) -> tuple[str, str]:
-    """A CPython 3.13 executable and how it was found."""
+    """A CPython 3.13 executable and how it was found; never one inside the venv about to be replaced."""
+    exe, how = _find_python(s)
+    if _inside(exe, s.venv_dir):
+        raise BadInput(problem(f"the Python for {s.venv_dir} (found by {how})", "an interpreter outside that venv",
+                               exe, f"point PYTHON at a python{WANT_TEXT} that is not in {s.venv_dir}"))
+    return exe, how
+
+
+def _find_python(s: Settings) -> tuple[str, str]:
     if s.python:
         exe = s.python if os.sep in s.python else (shutil.which(s.python) or s.python)
         got = probe(exe)
@@ -69,7 +86,8 @@ def find_python(s: Settings) -> tuple[str, str]:
         return got[1], f"PYTHON/UV_PYTHON={s.python}"
     uv = uv_path(s)
     if uv:
-        r = subprocess.run([uv, "python", "find", "--no-python-downloads", WANT_TEXT], capture_output=True, text=True)
+        r = subprocess.run([uv, "python", "find", "--system", "--no-python-downloads", WANT_TEXT],
+                           capture_output=True, text=True)
         got = probe(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip() else None
         if got and got[0] == WANT:
             return got[1], "uv python find"
