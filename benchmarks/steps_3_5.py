@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 from timing import median_time, timed  # noqa: E402,F401 - benchmarks/timing.py
 
 from rig import config, cudastub  # noqa: E402
-from rig.build import pipeline  # noqa: E402
-from rig.build.runtime import RuntimeStep, read_lock  # noqa: E402
-from rig.build.toolchain import ToolchainStep  # noqa: E402
-from rig.build.tools import uv_path  # noqa: E402
-from rig.build.venv import VenvStep, site_packages  # noqa: E402
+from rig.steps import pipeline  # noqa: E402
+from rig.steps.runtime import RuntimeStep, read_lock  # noqa: E402
+from rig.steps.toolchain import ToolchainStep  # noqa: E402
+from rig.steps.tools import uv_path  # noqa: E402
+from rig.steps.venv import VenvStep, site_packages  # noqa: E402
 
 
 def main() -> None:

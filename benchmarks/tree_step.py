@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 from timing import median_time, timed  # noqa: E402,F401 - benchmarks/timing.py
 
 from rig import config  # noqa: E402
-from rig.build import pipeline  # noqa: E402
-from rig.build.tree import TreeStep  # noqa: E402
 from rig.gitutil import Git  # noqa: E402
+from rig.steps import pipeline  # noqa: E402
+from rig.steps.tree import TreeStep  # noqa: E402
 
 
 def quiet(fn):

@@ -7,10 +7,10 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rig import config
-from rig.build import pipeline
-from rig.build.steps import steps
 from rig.console import error
 from rig.errors import RigError
+from rig.steps import pipeline
+from rig.steps.order import steps
 
 
 def _epilog() -> str:
@@ -79,7 +79,7 @@ def verify(argv: Sequence[str]) -> int:
         from pathlib import Path
 
         from rig import artifacts
-        from rig.build.pack import target_facts
+        from rig.steps.pack import target_facts
 
         a = p.parse_args(argv)
         s = config.settings()
@@ -209,7 +209,7 @@ def lock(argv: Sequence[str]) -> int:
 
     def go() -> int:
         from rig import series
-        from rig.build import runtime
+        from rig.steps import runtime
 
         s = config.settings()
         runtime.lock_main(s, series.load(s.patches_dir).version)

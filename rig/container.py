@@ -26,7 +26,7 @@ from rig.console import say
 from rig.errors import BadInput, RigError, WorkFailed, problem
 
 FACTS = ("ops_obj", "arch", "python", "cuda", "torch")
-#: rig.build.pipeline.record_path, not imported: that module needs tomli-w.
+#: rig.steps.pipeline.record_path, not imported: that module needs tomli-w.
 RECORD = "build.toml"
 FIRST = "./build.sh --only tools,tree,venv,runtime,toolchain"
 
@@ -78,10 +78,10 @@ def target(s: config.Settings) -> dict[str, str]:
 
 def adopt(s: config.Settings, artifacts_dir: Path) -> int:
     """Record the verified kernels as the ops step's products and install vllm without compiling."""
-    from rig import artifacts
-    from rig.build import pipeline, products
-    from rig.build.install import installed_vllm
-    from rig.build.ops import OpsStep
+    from rig import artifacts, products
+    from rig.steps import pipeline
+    from rig.steps.install import installed_vllm
+    from rig.steps.ops import OpsStep
 
     manifest = artifacts.read_manifest(artifacts_dir / artifacts.MANIFEST)
     listed = artifacts.read_sums(artifacts_dir / artifacts.SUMS)
@@ -114,9 +114,9 @@ def adopt(s: config.Settings, artifacts_dir: Path) -> int:
 
 def _install_editable(s: config.Settings, ctx, version: str) -> None:
     """``pip install -e`` of the tree with ``VLLM_TARGET_DEVICE=empty``: vLLM's setup.py then builds no extension."""
-    from rig.build.ops import build_env
-    from rig.build.venv import venv_python
     from rig.gitutil import Git
+    from rig.steps.ops import build_env
+    from rig.steps.venv import venv_python
 
     env = build_env(s, ctx, "precompiled", version, None)
     for key in ("VLLM_USE_PRECOMPILED", "VLLM_PRECOMPILED_WHEEL_LOCATION"):

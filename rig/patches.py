@@ -19,11 +19,11 @@ from pathlib import Path
 import tomli_w
 
 from rig import atomic, config, series
-from rig.build import ops, tree
-from rig.build.pipeline import BuildLock
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
+from rig.steps import ops, tree
+from rig.steps.pipeline import BuildLock
 
 #: A commit message "says why" when its body has at least this many words.
 WHY_WORDS = 8

@@ -11,10 +11,10 @@ import time
 from collections.abc import Mapping
 
 from rig import box, config, engine, supervise, topology
-from rig.build import pipeline
-from rig.build.steps import steps
 from rig.console import say, warn
 from rig.errors import BadInput, problem
+from rig.steps import pipeline
+from rig.steps.order import steps
 
 
 def _build_if_needed(s: config.Settings, dry_run: bool) -> None:

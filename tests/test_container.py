@@ -25,11 +25,11 @@ from conftest import ROOT, run_rig
 from fixture_upstream import FIXTURE_SETUP_PY
 from test_artifacts import FILES, built_tree
 
-from rig import artifacts, config, container, supervise
-from rig.build import pipeline, products
-from rig.build.install import installed_vllm
-from rig.build.ops import OpsStep
-from rig.build.venv import venv_minor
+from rig import artifacts, config, container, products, supervise
+from rig.steps import pipeline
+from rig.steps.install import installed_vllm
+from rig.steps.ops import OpsStep
+from rig.steps.venv import venv_minor
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"

@@ -80,12 +80,12 @@ def test_extension_built_against_the_stub_loads_the_real_driver(tmp_path: Path |
 
 
 def test_fixture_kernel_compiled_by_the_ops_step_for_sm90_runs_on_the_gpu(tmp_path: Path | None = None) -> None:
-    """The compile route of rig/build/ops.py on the fixture upstream with ARCH=9.0 and a real CUDA kernel."""
+    """The compile route of rig/steps/ops.py on the fixture upstream with ARCH=9.0 and a real CUDA kernel."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fixture_upstream import UPSTREAM_FILES, write_files
 
-    from rig import config
-    from rig.build import ops, pipeline, products
+    from rig import config, products
+    from rig.steps import ops, pipeline
 
     tmp = Path(tmp_path or tempfile.mkdtemp())
     tree, venv = tmp / "vllm", tmp / "venv"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, WHEEL, Index, run_rig
 
-from rig import config
-from rig.build import ops, products
-from rig.build.install import installed_vllm
+from rig import config, products
+from rig.steps import ops
+from rig.steps.install import installed_vllm
 
 PY_PATCH = {"vllm/entrypoints/api.py": "".join(f"# api line {i}\n" for i in range(1, 31))
             + "def serve():\n    return 'patched'\n"}

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, run_rig
 
 from rig import config
-from rig.build import runtime
+from rig.steps import runtime
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 from conftest import ROOT
 
 from rig import config, cudastub
-from rig.build import toolchain
 from rig.errors import BadInput
+from rig.steps import toolchain
 
 SYSTEM = Path("/usr/local/cuda")
 needs_toolkit = pytest.mark.skipif(not (SYSTEM / "include" / "cuda.h").exists(), reason="no CUDA toolkit here")

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_rig
 
 from rig import config
-from rig.build import venv
+from rig.steps import venv
 
 
 def env_for(tmp_path: Path, **extra) -> dict[str, str]:

@@ -7,13 +7,12 @@ the compiled kernels, without compiling.
 
 from __future__ import annotations
 
-from rig import artifacts
-from rig.build import products
-from rig.build.pipeline import Context, Status, Step
-from rig.build.runtime import installed
+from rig import artifacts, products
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, problem
+from rig.steps.pipeline import Context, Status, Step
+from rig.steps.runtime import installed
 
 #: The GPU architectures of the official v0.30.0 wheel's kernels (read with cuobjdump --list-elf).
 OFFICIAL_ARCHS = "7.5 8.0 8.6 8.9 9.0 10.0 12.0"

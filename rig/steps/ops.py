@@ -25,14 +25,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from rig import proc, series, upstream
-from rig.build import products
-from rig.build.pipeline import Context, Status, Step
-from rig.build.venv import venv_python
+from rig import proc, products, series, upstream
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
+from rig.steps.pipeline import Context, Status, Step
+from rig.steps.venv import venv_python
 
 # The files vLLM 0.30.0's setup.py copies out of the official wheel on the
 # precompiled route (setup.py, extract_precompiled_and_patch_package). A patch

@@ -17,10 +17,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig.build.pipeline import Context, Status, Step
 from rig.config import Settings
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
+from rig.steps.pipeline import Context, Status, Step
 
 CMAKE_MIN = (3, 26)
 RUST_CHANNEL = (1, 95)  # vLLM v0.30.0's rust-toolchain.toml

@@ -16,15 +16,14 @@ import re
 import subprocess
 from pathlib import Path
 
-from rig import series, upstream
-from rig.build import products
-from rig.build.ops import ccache_counts, pip_install
-from rig.build.pipeline import Context, Status, Step
-from rig.build.toolchain import driver_loadable
-from rig.build.venv import site_packages, venv_python
+from rig import products, series, upstream
 from rig.config import Settings
 from rig.console import say
 from rig.errors import WorkFailed
+from rig.steps.ops import ccache_counts, pip_install
+from rig.steps.pipeline import Context, Status, Step
+from rig.steps.toolchain import driver_loadable
+from rig.steps.venv import site_packages, venv_python
 
 DRIVER = "libcuda.so.1"
 

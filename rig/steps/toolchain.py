@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rig import cudastub
-from rig.build.pipeline import Context, Status, Step
-from rig.build.venv import site_packages
 from rig.config import Settings
 from rig.console import say
 from rig.cudastub import driver_loadable
 from rig.errors import BadInput, problem
 from rig.hashing import sha256_file
+from rig.steps.pipeline import Context, Status, Step
+from rig.steps.venv import site_packages
 
 SYSTEM_CUDA = Path("/usr/local/cuda")
 #: The recorded outputs that decide whether the step is current (the stub is checked on disk).

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import tomli_w
 
-from rig import atomic, series, upstream
-from rig.build import products
-from rig.build.pipeline import Context, Status, Step
+from rig import atomic, products, series, upstream
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, problem
 from rig.gitutil import Git
+from rig.steps.pipeline import Context, Status, Step
 
 RECORD = "rig-tree.toml"
 

@@ -14,11 +14,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from rig.build.pipeline import Context, Status, Step
-from rig.build.tools import uv_path
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
+from rig.steps.pipeline import Context, Status, Step
+from rig.steps.tools import uv_path
 
 WANT = (3, 13)
 WANT_TEXT = "3.13"

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rig import atomic, proc
-from rig.build.pipeline import Context, Status, Step
-from rig.build.tools import uv_path
-from rig.build.venv import WANT_TEXT, site_packages, venv_minor, venv_python
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
+from rig.steps.pipeline import Context, Status, Step
+from rig.steps.tools import uv_path
+from rig.steps.venv import WANT_TEXT, site_packages, venv_minor, venv_python
 
 PLATFORM = "x86_64-manylinux_2_28"
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
