@@ -1,0 +1,23 @@
+"""``python3 -m rig.bench table TITLE LABEL=FOLDER ...``: the power-sweep table, with the system Python.
+
+``benchmarks/power-sweep.sh`` calls it after its runs; a benchmark itself goes through
+``benchmarks/bench.sh`` (the bench venv), so any other subcommand is refused with exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rig.bench.sweep import table_main
+from rig.console import error
+from rig.errors import BadInput, RigError, problem
+
+args = sys.argv[1:]
+try:
+    if not args or args[0] != "table":
+        raise BadInput(problem("python -m rig.bench", "the subcommand table", " ".join(args) or "none",
+                               "run benchmarks/bench.sh for a benchmark"))
+    raise SystemExit(table_main(args[1:]))
+except RigError as exc:
+    error(exc.message)
+    raise SystemExit(exc.code) from None
