@@ -29,12 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from timing import median_time, timed  # noqa: E402,F401 - benchmarks/timing.py
 
-from rig import config, cudastub  # noqa: E402
+from rig import config, cudastub, venvs  # noqa: E402
 from rig.steps import pipeline  # noqa: E402
 from rig.steps.runtime import RuntimeStep, read_lock  # noqa: E402
 from rig.steps.toolchain import ToolchainStep  # noqa: E402
-from rig.steps.tools import uv_path  # noqa: E402
-from rig.steps.venv import VenvStep, site_packages  # noqa: E402
+from rig.steps.venv import VenvStep  # noqa: E402
 
 
 def main() -> None:
@@ -50,24 +49,24 @@ def main() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             pipeline.run(steps, s, pipeline.Options())
         first = time.perf_counter() - t0
-        ctx = pipeline.Context(s, pipeline.Options(), pipeline.load_record(s))
-
         def checks() -> None:
-            with contextlib.redirect_stdout(io.StringIO()):
-                for st in steps:
-                    assert st.check(ctx).current, st.name
+            ctx = pipeline.context(s)  # read as a real run reads it: the record once, then every check
+            for st in steps:
+                assert st.check(ctx).current, st.name
 
-        uv = uv_path(s)
+        ctx = pipeline.context(s)
+        uv = ctx.uv
         py = str(s.venv_dir / "bin" / "python")
         baseline = median_time(lambda: subprocess.run([uv, "pip", "list", "--python", py], check=True,
                                                       capture_output=True), a.repeat)
         rerun = median_time(checks, a.repeat)
-        size = sum(f.stat().st_size for f in site_packages(s).rglob("*") if f.is_file() and not f.is_symlink())
+        size = sum(f.stat().st_size for f in venvs.site_packages(s.venv_dir).rglob("*")
+                   if f.is_file() and not f.is_symlink())
         pins = len(read_lock(s.runtime_lock).pins)
         print(f"venv from the lock: {pins} pins, {size / 1e9:.2f} GB in the venv, first build {first:.1f} s")
         print(f"steps 3-5 re-run on a current venv, in-process, median of {a.repeat}: {rerun:.3f} s"
               f"  | uv pip list: {baseline:.3f} s  | ratio {rerun / baseline:.2f}x  | target <= 0.3 s")
-        cuda_h = Path(ctx.outputs_of("toolchain")["cuda_home"]) / "include" / "cuda.h"
+        cuda_h = Path(ctx.record.toolchain.cuda_home) / "include" / "cuda.h"
         out = tmp / "stub"
         gen = median_time(lambda: cudastub.build(cuda_h, out), 5)
         cc = median_time(lambda: subprocess.run(["cc", "-x", "c", "-shared", "-o", str(tmp / "empty.so"), "-"],

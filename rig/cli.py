@@ -78,15 +78,12 @@ def verify(argv: Sequence[str]) -> int:
         import tempfile
         from pathlib import Path
 
-        from rig import artifacts
-        from rig.steps.pack import target_facts
+        from rig import artifacts, record
+        from rig.kernels.target import of_build
 
         a = p.parse_args(argv)
         s = config.settings()
-        ctx = pipeline.Context(s, pipeline.Options(), pipeline.load_record(s))
-        facts = target_facts(s, ctx)
-        target = {"ops_obj": facts["ops_obj"], "arch": s.arch, "python": facts["python"], "cuda": facts["cuda"],
-                  "torch": facts["torch"]}
+        target = of_build(s, record.load(s.state_dir)).as_dict()
         src = Path(a.artifacts) if a.artifacts else s.artifacts_dir
         with tempfile.TemporaryDirectory() as scratch:
             n = artifacts.verify(src, Path(a.dest) if a.dest else Path(scratch), target)
@@ -208,11 +205,11 @@ def lock(argv: Sequence[str]) -> int:
     p.parse_args(argv)
 
     def go() -> int:
-        from rig import series
+        from rig import series, uv
         from rig.steps import runtime
 
         s = config.settings()
-        runtime.lock_main(s, series.load(s.patches_dir).version)
+        runtime.lock_main(s, uv.resolve(s), series.load(s.patches_dir).version)
         return 0
 
     return _guard(go)

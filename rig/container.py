@@ -15,10 +15,7 @@
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 from rig import config
@@ -26,113 +23,49 @@ from rig.console import say
 from rig.errors import BadInput, RigError, WorkFailed, problem
 
 FACTS = ("ops_obj", "arch", "python", "cuda", "torch")
-#: rig.steps.pipeline.record_path, not imported: that module needs tomli-w.
-RECORD = "build.toml"
-FIRST = "./build.sh --only tools,tree,venv,runtime,toolchain"
-
-
-def record_path(s: config.Settings) -> Path:
-    return s.state_dir / RECORD
-
-
-def _outputs(record: dict, step: str, key: str, s: config.Settings) -> str:
-    value = record.get("steps", {}).get(step, {}).get("outputs", {}).get(key)
-    if not value:
-        raise BadInput(problem(f"{record_path(s)}: the {step} step's {key}", "recorded", "none",
-                               f"run {FIRST} first"))
-    return str(value)
-
-
-def venv_minor(venv: Path) -> str | None:
-    """``3.13`` from the venv's pyvenv.cfg (uv writes ``version_info``, ``python -m venv`` ``version``)."""
-    try:
-        m = re.search(r"^(?:version|version_info)\s*=\s*(\d+\.\d+)", (venv / "pyvenv.cfg").read_text(), re.M)
-    except FileNotFoundError:
-        return None
-    return m[1] if m else None
-
-
-def installed_version(venv: Path, minor: str, name: str) -> str | None:
-    """A distribution's version from its ``.dist-info`` folder name, as the runtime step reads it."""
-    for d in sorted((venv / "lib" / f"python{minor}" / "site-packages").glob(f"{name}-*.dist-info")):
-        return d.name[len(name) + 1:-len(".dist-info")]
-    return None
 
 
 def target(s: config.Settings) -> dict[str, str]:
-    """The target verify checks a tarball against: this tree, this venv, ``ARCH``."""
-    try:
-        record = tomllib.loads(record_path(s).read_text())
-    except (FileNotFoundError, tomllib.TOMLDecodeError):
-        raise BadInput(problem(f"the build record {record_path(s)}", "the record of steps 1-5", "none or unreadable",
-                               f"run {FIRST} first")) from None
-    minor = venv_minor(s.venv_dir)
-    if minor is None:
-        raise BadInput(problem(f"the venv {s.venv_dir}", "a venv with pyvenv.cfg", "none", f"run {FIRST} first"))
-    torch = installed_version(s.venv_dir, minor, "torch")
-    if torch is None:
-        raise BadInput(problem(f"torch in {s.venv_dir}", "installed", "none", f"run {FIRST} first"))
-    return {"ops_obj": _outputs(record, "tree", "ops_obj", s), "arch": s.arch, "python": minor,
-            "cuda": _outputs(record, "toolchain", "torch_cuda", s).split(".")[0], "torch": torch}
+    """The target verify checks a tarball against: this tree, this venv, ``ARCH`` (rig/kernels/target.py)."""
+    from rig import record
+    from rig.kernels.target import of_build
+
+    return of_build(s, record.load(s.state_dir)).as_dict()
 
 
 def adopt(s: config.Settings, artifacts_dir: Path) -> int:
     """Record the verified kernels as the ops step's products and install vllm without compiling."""
-    from rig import artifacts, products
-    from rig.steps import pipeline
-    from rig.steps.install import installed_vllm
-    from rig.steps.ops import OpsStep
+    from rig import artifacts, products, record, series, venvs
+    from rig.kernels import pip, route
 
     manifest = artifacts.read_manifest(artifacts_dir / artifacts.MANIFEST)
     listed = artifacts.read_sums(artifacts_dir / artifacts.SUMS)
-    ctx = pipeline.Context(s, pipeline.Options(), pipeline.load_record(s))
+    rec = record.load(s.state_dir)
     # The facts the ops step itself compares, so that it finds these kernels current.
-    facts, route, why = OpsStep()._facts(ctx)
-    if manifest["route"] != route:
-        raise BadInput(problem(f"{artifacts_dir / artifacts.MANIFEST}: route", f"{route!r} ({why})",
+    facts, way, why = route.facts(s, rec, series.load(s.patches_dir))
+    if manifest["route"] != way:
+        raise BadInput(problem(f"{artifacts_dir / artifacts.MANIFEST}: route", f"{way!r} ({why})",
                                repr(manifest["route"]), f"build the image with --build-arg "
                                f"OPS_ROUTE={manifest['route']}, or pack again with the route the image takes"))
-    _install_editable(s, ctx, facts["version"])
-    version, wrong = installed_vllm(s)
+    say("installing vllm editable, no extension built (the verified kernels are in the tree already)")
+    pip.install(s, rec, "none", facts["version"], None, "editable install")
+    version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
     if wrong:
         raise WorkFailed(f"after the editable install: {wrong}. Fix: remove {s.venv_dir} and build again")
-    rec = products.collect(s.vllm_dir, {**facts, "log": "", "from_artifacts": manifest["tarball_sha256"]})
-    extra = sorted(set(rec.files) - set(listed))
-    missing = sorted(set(listed) - set(rec.files))
-    changed = sorted(n for n in set(rec.files) & set(listed) if rec.files[n]["sha256"] != listed[n])
+    got = products.collect(s.vllm_dir, {**facts, "log": "", "from_artifacts": manifest["tarball_sha256"]})
+    extra = sorted(set(got.files) - set(listed))
+    missing = sorted(set(listed) - set(got.files))
+    changed = sorted(n for n in set(got.files) & set(listed) if got.files[n]["sha256"] != listed[n])
     if extra or missing or changed:
         first = (f"{extra[0]} is in the tree but not in {artifacts.SUMS}" if extra else
                  f"{missing[0]} is in {artifacts.SUMS} but not in the tree" if missing else
                  f"{changed[0]} differs from {artifacts.SUMS}")
         raise BadInput(f"{s.vllm_dir}: the products are not the verified kernels: {first}. Fix: build from a "
                        "fresh tree (nothing but verify may add files under vllm/vllm/)")
-    products.write(s.vllm_dir, rec)
-    say(f"adopted {len(rec.files)} verified products for OPS_OBJ {facts['ops_obj'][:12]} ({route}), "
+    products.write(s.vllm_dir, got)
+    say(f"adopted {len(got.files)} verified products for OPS_OBJ {facts['ops_obj'][:12]} ({way}), "
         f"recorded in {s.vllm_dir / products.RECORD}; vllm {version} installed editable, nothing compiled")
-    return len(rec.files)
-
-
-def _install_editable(s: config.Settings, ctx, version: str) -> None:
-    """``pip install -e`` of the tree with ``VLLM_TARGET_DEVICE=empty``: vLLM's setup.py then builds no extension."""
-    from rig.gitutil import Git
-    from rig.steps.ops import build_env
-    from rig.steps.venv import venv_python
-
-    env = build_env(s, ctx, "precompiled", version, None)
-    for key in ("VLLM_USE_PRECOMPILED", "VLLM_PRECOMPILED_WHEEL_LOCATION"):
-        env.pop(key, None)  # the kernels are in the tree already; nothing is to be copied over them
-    env["VLLM_TARGET_DEVICE"] = "empty"
-    cmd = [str(venv_python(s)), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-cache-dir",
-           "-e", str(s.vllm_dir)]
-    say(f"installing vllm editable, no extension built: {' '.join(cmd[2:])}")
-    r = subprocess.run(cmd, env=env, cwd=s.vllm_dir, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
-        raise WorkFailed(f"the editable install of {s.vllm_dir} failed (exit {r.returncode}): "
-                         + " | ".join(tail))
-    repo = Git(s.vllm_dir)  # setup.py rewrites the tracked vllm/_version.py; keep the tree as the series made it
-    if "vllm/_version.py" in repo.tracked_changes():
-        repo.run("checkout", "--", "vllm/_version.py")
+    return len(got.files)
 
 
 def main(argv: list[str] | None = None) -> int:

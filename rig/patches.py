@@ -18,11 +18,11 @@ from pathlib import Path
 
 import tomli_w
 
-from rig import atomic, config, series
+from rig import atomic, config, series, worktree
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
-from rig.steps import ops, tree
+from rig.kernels import route
 from rig.steps.pipeline import BuildLock
 
 #: A commit message "says why" when its body has at least this many words.
@@ -80,7 +80,7 @@ def _in(path: str, prefixes: tuple[str, ...]) -> bool:
 def _report(repo: Git, patch: Path, sr: series.Series, result: str) -> PatchReport:
     files = _touched(repo, patch) or repo.out("diff", "--name-only", "HEAD~1", "HEAD").splitlines()
     return PatchReport(patch.name, result, files, [f for f in files if _in(f, sr.ops_paths)],
-                       ops.overwritten(files), _says_why(patch))
+                       route.overwritten(files), _says_why(patch))
 
 
 def _am(repo: Git, patch: Path, three_way: bool) -> bool:
@@ -103,7 +103,7 @@ def walk(repo: Git, files: list[Path], sr: series.Series, three_way: bool, keep_
         if _am(repo, p, False):
             reports.append(_report(repo, p, sr, "applies"))
             continue
-        why = tree._why_not(repo, p) or ["git am refused it (see git am's message)"]
+        why = worktree.why_not(repo, p) or ["git am refused it (see git am's message)"]
         if three_way and _am(repo, p, True):
             r = _report(repo, p, sr, "applies with 3-way")
             r.problems = [f"no clean apply: {'; '.join(why)}"]
@@ -111,7 +111,7 @@ def walk(repo: Git, files: list[Path], sr: series.Series, three_way: bool, keep_
             continue
         r = PatchReport(p.name, "conflict", _touched(repo, p) or _files_of(p), why=_says_why(p), problems=why)
         r.compiled = [f for f in r.files if _in(f, sr.ops_paths)]
-        r.overwritten = ops.overwritten(r.files)
+        r.overwritten = route.overwritten(r.files)
         reports.append(r)
         stopped = not keep_going
     return reports
@@ -121,14 +121,14 @@ def _files_of(patch: Path) -> list[str]:
     return re.findall(r"^diff --git a/(\S+) b/", patch.read_text(errors="replace"), re.M)
 
 
-def _scratch_base(s: config.Settings, sr: series.Series, where: Path) -> tree.Built:
+def _scratch_base(s: config.Settings, sr: series.Series, where: Path) -> worktree.Built:
     """The base of ``sr`` in a scratch repository: from vllm/ when it holds that base, else fetched."""
-    rec = tree.read_record(s.vllm_dir) if s.vllm_dir.exists() else None
+    rec = worktree.read_record(s.vllm_dir) if s.vllm_dir.exists() else None
     repo = Git(s.vllm_dir)
     if rec is not None and rec.tag == sr.tag and not s.fetch and repo.rev(rec.base):
         repo.run("worktree", "add", "--quiet", "--detach", str(where), rec.base)
-        return tree.Built(where, Git(where), rec.source, rec.origin, rec.base, "", "", repo)
-    return tree._fresh_base(s, sr, where, accept=True)  # inspected, not compared
+        return worktree.Built(where, Git(where), rec.source, rec.origin, rec.base, "", "", repo)
+    return worktree.fresh_base(s, sr, where, accept=True)  # inspected, not compared
 
 
 def check(s: config.Settings) -> int:
@@ -140,7 +140,7 @@ def check(s: config.Settings) -> int:
     try:
         reports = walk(built.repo, files, sr, three_way=False, keep_going=False)
     finally:
-        tree._drop_scratch(built)
+        worktree.drop_scratch(built)
         shutil.rmtree(scratch.parent, ignore_errors=True)
     for r in reports:
         print(f"      {r.line()}", flush=True)
@@ -187,7 +187,7 @@ def rebase(s: config.Settings, version: str, keep_going: bool, out: Path | None)
                                "a folder with files", "move it away, or name another with --out DIR"))
     scratch = Path(tempfile.mkdtemp(prefix=".rig-rebase-", dir=s.vllm_dir.parent)) / "repo"
     fresh = dataclasses.replace(s, fetch=True)  # never the base of vllm/: this is another version
-    built = tree._fresh_base(fresh, target, scratch, accept=True)
+    built = worktree.fresh_base(fresh, target, scratch, accept=True)
     try:
         reports = walk(built.repo, files, target, three_way=True, keep_going=keep_going)
         for r in reports:
@@ -197,7 +197,7 @@ def rebase(s: config.Settings, version: str, keep_going: bool, out: Path | None)
         if ok:
             written = _export(built, files, sr, target, out)
     finally:
-        tree._drop_scratch(built)
+        worktree.drop_scratch(built)
         shutil.rmtree(scratch.parent, ignore_errors=True)
     report = (written or s.state_dir) / (f"REBASE-{sr.tag}-to-v{ver}.md")
     atomic.write_text(report, _markdown(reports, sr.tag, f"v{ver}", written))
@@ -211,7 +211,7 @@ def rebase(s: config.Settings, version: str, keep_going: bool, out: Path | None)
     return 0
 
 
-def _export(built: tree.Built, files: list[Path], sr: series.Series, target: series.Series, out: Path) -> Path:
+def _export(built: worktree.Built, files: list[Path], sr: series.Series, target: series.Series, out: Path) -> Path:
     """The rebased commits as patch files with their old names, and a series.toml for the new base."""
     tmp = Path(tempfile.mkdtemp(prefix=".rebased-", dir=out.parent))
     built.repo.run("format-patch", "--quiet", "--zero-commit", "-o", str(tmp), f"{built.base}..HEAD")
@@ -246,7 +246,7 @@ def new(s: config.Settings, name: str) -> int:
     with BuildLock(s, "patches new"):
         sr = series.load(s.patches_dir)
         files = series.patch_files(s.patches_dir)
-        rec = tree.read_record(s.vllm_dir) if s.vllm_dir.exists() else None
+        rec = worktree.read_record(s.vllm_dir) if s.vllm_dir.exists() else None
         if rec is None:
             raise BadInput(problem(f"{s.vllm_dir}", "a tree the rig built (with its record)", "none",
                                    "./build.sh --only tree first, then commit your change in vllm/"))
@@ -276,7 +276,7 @@ def new(s: config.Settings, name: str) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         say(f"exported {len(names)} commit(s): {', '.join(names)}")
         try:
-            built = tree._build(s, sr, series.patch_files(s.patches_dir), repo, rec, accept=True)
+            built = worktree.build(s, sr, series.patch_files(s.patches_dir), repo, rec, accept=True)
         except BaseException:
             for nm in names:
                 (s.patches_dir / nm).unlink(missing_ok=True)
@@ -291,12 +291,12 @@ def new(s: config.Settings, name: str) -> int:
                                  "format-patch cannot carry, such as a binary or mode-only change?)")
             old = sr.expected.get(built.source)
             sr.accept(built.source, built.tree)
-            new_rec = tree.TreeRecord(built.source, built.origin, sr.tag, built.base, built.head, built.tree,
+            new_rec = worktree.TreeRecord(built.source, built.origin, sr.tag, built.base, built.head, built.tree,
                                       series.digest(series.patch_files(s.patches_dir)))
-            tree._land(s.vllm_dir, built, sr.tag)
+            worktree.land(s.vllm_dir, built, sr.tag)
         finally:
-            tree._drop_scratch(built)
-        tree.write_record(s.vllm_dir, new_rec)
+            worktree.drop_scratch(built)
+        worktree.write_record(s.vllm_dir, new_rec)
         say(f"series.toml: [expected.{built.source}] tree = {built.tree} (was {old.tree if old else 'none'}), "
             f"verified {dt.date.today().isoformat()}")
     return 0

@@ -25,11 +25,10 @@ from conftest import ROOT, run_rig
 from fixture_upstream import FIXTURE_SETUP_PY
 from test_artifacts import FILES, built_tree
 
-from rig import artifacts, config, container, products, supervise
+from rig import artifacts, config, container, products, record, supervise, venvs
+from rig.kernels.target import of_build
 from rig.steps import pipeline
-from rig.steps.install import installed_vllm
 from rig.steps.ops import OpsStep
-from rig.steps.venv import venv_minor
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
@@ -207,7 +206,7 @@ def image(tmp_path, series, rig_env) -> Image:
     p = subprocess.run([uv, "pip", "install", "-q", "--python", str(venv / "bin" / "python"), "setuptools"],
                        capture_output=True, text=True)  # the runtime lock brings it in the image
     assert p.returncode == 0, p.stderr
-    minor = "{}.{}".format(*venv_minor(venv))
+    minor = "{}.{}".format(*venvs.minor(venv))
     torch = venv / "lib" / f"python{minor}" / "site-packages" / "torch-2.13.0.dist-info"
     torch.mkdir(parents=True)
     (torch / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n")
@@ -245,10 +244,9 @@ def test_run_line_installs_fitting_kernels_and_the_ops_step_finds_them_current(i
     rec = products.read(image.vllm)
     assert rec is not None and set(rec.files) == set(FILES) and rec.facts["route"] == "compile"
     assert rec.facts["from_artifacts"] == artifacts.read_manifest(art / "manifest.toml")["tarball_sha256"]
-    ctx = pipeline.Context(s, pipeline.Options(), pipeline.load_record(s))
-    status = OpsStep().check(ctx)
+    status = OpsStep().check(pipeline.context(s))
     assert status.current, status.reason  # ./build.sh will not compile them again
-    assert installed_vllm(s) == ("0.30.0", "")
+    assert venvs.installed_vllm(s.venv_dir, s.vllm_dir) == ("0.30.0", "")
     assert not (image.vllm / "build").exists()  # no CMake run: nothing was compiled
     out = subprocess.run([str(s.venv_dir / "bin" / "python"), "-c", "import vllm; print(vllm.__file__)"],
                          capture_output=True, text=True, cwd="/")
@@ -263,7 +261,7 @@ def test_run_line_stops_on_a_tarball_from_another_tree_naming_the_item(image, tm
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"ops_obj: the target needs '{image.tree['ops_obj']}', the tarball has '{other}'" in r.stderr
     assert installed_products(image) == [] and products.read(image.vllm) is None
-    assert installed_vllm(config.settings(image.env))[0] is None
+    assert venvs.installed_vllm(image.env["VENV_DIR"], image.vllm)[0] is None
 
 
 def test_run_line_stops_on_kernels_for_another_torch(image, tmp_path):
@@ -292,8 +290,7 @@ def test_adopt_refuses_kernels_of_another_route(image, tmp_path):
 
 def test_facts_need_only_the_standard_library_and_match_the_rig(image):
     s = config.settings(image.env)
-    assert container.record_path(s) == pipeline.record_path(s)
-    assert container.venv_minor(s.venv_dir) == "{}.{}".format(*venv_minor(s.venv_dir))
+    assert container.target(s) == of_build(s, record.load(s.state_dir)).as_dict()  # the one kernel target
     # -S: no site-packages at all, as python3 of the image has none of the rig's dependencies
     r = subprocess.run([sys.executable, "-S", "-m", "rig.container", "target"], cwd=ROOT, env=image.env,
                        capture_output=True, text=True)

@@ -84,8 +84,8 @@ def test_fixture_kernel_compiled_by_the_ops_step_for_sm90_runs_on_the_gpu(tmp_pa
     sys.path.insert(0, str(ROOT / "tests"))
     from fixture_upstream import UPSTREAM_FILES, write_files
 
-    from rig import config, products
-    from rig.steps import ops, pipeline
+    from rig import config, products, record
+    from rig.kernels import pip
 
     tmp = Path(tmp_path or tempfile.mkdtemp())
     tree, venv = tmp / "vllm", tmp / "venv"
@@ -97,15 +97,15 @@ def test_fixture_kernel_compiled_by_the_ops_step_for_sm90_runs_on_the_gpu(tmp_pa
     s = config.settings({"VLLM_DIR": str(tree), "VENV_DIR": str(venv), "ARCH": "9.0", "MAX_JOBS": "8",
                          "BUILD_LOG_DIR": str(tmp), "STATUS_INTERVAL": "30"})
     home = cuda_home()
-    ctx = pipeline.Context(s, pipeline.Options(), {"steps": {
-        "tools": {"outputs": {"cmake": shutil.which("cmake"), "ninja": shutil.which("ninja") or "",
-                              "ccache": shutil.which("ccache") or ""}},
-        "toolchain": {"outputs": {"cuda_home": str(home), "cuda_stub": ""}}}})
+    rec = record.BuildRecord(
+        tools=record.Tools(cmake=shutil.which("cmake") or "", ninja=shutil.which("ninja") or "",
+                           ccache=shutil.which("ccache") or ""),
+        toolchain=record.Toolchain(cuda_home=str(home)))
     os.environ["FIXTURE_CUDA"] = "1"
-    log = ops.pip_install(s, ctx, "compile", "0.30.0", None, "compile")
-    rec = products.collect(tree, {"route": "compile"})
+    log = pip.install(s, rec, "compile", "0.30.0", None, "compile")
+    made = products.collect(tree, {"route": "compile"})
     so = tree / "vllm" / "_C_stable_libtorch.abi3.so"
-    assert list(rec.files) == ["vllm/_C_stable_libtorch.abi3.so"], rec.files
+    assert list(made.files) == ["vllm/_C_stable_libtorch.abi3.so"], made.files
     text = log.read_text()
     assert "nvcc" in text and "arch=compute_90,code=[compute_90,sm_90]" in text, text[-3000:]
     elf = subprocess.run(["cuobjdump", "--list-elf", str(so)], capture_output=True, text=True).stdout

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, WHEEL, Index, run_rig
 
-from rig import config, products
-from rig.steps import ops
-from rig.steps.install import installed_vllm
+from rig import products, venvs
+from rig.kernels import route
 
 PY_PATCH = {"vllm/entrypoints/api.py": "".join(f"# api line {i}\n" for i in range(1, 31))
             + "def serve():\n    return 'patched'\n"}
@@ -163,13 +162,13 @@ def test_vllm_removed_or_replaced_by_hand_is_reinstalled(series, ops_env, tmp_pa
         subprocess.run([venv_py(env), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--force-reinstall", str(tmp_path / "vllm")], check=True, env=hand, capture_output=True)
         want = "plain install"
-    version, wrong = installed_vllm(config.settings(env))
+    version, wrong = venvs.installed_vllm(env["VENV_DIR"], env["VLLM_DIR"])
     assert version == (None if how == "removed" else "0.30.0") and want in wrong, wrong
     r = run_rig(env, "build", "--only", STEPS)
     assert r.code == 0, r.text[-2000:]
     # removed: the install step reinstalls; replaced: the hand install also rewrote the kernels, so ops runs first
     assert (want in r.out and "reinstalling" in r.out) or "product(s) differ" in r.out, r.out
-    assert installed_vllm(config.settings(env)) == ("0.30.0", "")
+    assert venvs.installed_vllm(env["VENV_DIR"], env["VLLM_DIR"]) == ("0.30.0", "")
     assert op_result(env) == "2"
     again = run_rig(env, "build", "--only", STEPS)  # the repair left every record true: nothing to redo
     assert again.code == 0 and again.out.count("current:") == 3, again.out
@@ -250,7 +249,7 @@ def test_a_patch_to_a_file_the_wheel_overwrites_forces_the_compile_route(series,
 
 
 def test_overwritten_matches_vllm_setup_rules():
-    assert ops.overwritten(["vllm/vllm_flash_attn/layers/rotary.py", "vllm/vllm_flash_attn/__init__.py",
+    assert route.overwritten(["vllm/vllm_flash_attn/layers/rotary.py", "vllm/vllm_flash_attn/__init__.py",
                             "vllm/vllm_flash_attn/flash_attn_interface.py", "vllm/third_party/deep_gemm/x.cuh",
                             "vllm/_rust_tool_parser.abi3.so", "vllm/entrypoints/api.py", "vllm/vllm-rs"]) == [
         "vllm/vllm_flash_attn/layers/rotary.py", "vllm/third_party/deep_gemm/x.cuh",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_rig
 
-from rig import config
+from rig import config, uv, venvs
 from rig.steps import runtime
 
 
@@ -18,7 +18,7 @@ def small_lock(tmp_path_factory) -> Path:
     """A lock of two small packages, made the way nox -s lock makes the real one."""
     d = tmp_path_factory.mktemp("lock")
     s = config.settings({**os.environ, "RUNTIME_LOCK": str(d / "runtime.lock")})
-    n = runtime.make_lock(s, s.runtime_lock, ["six==1.16.0", "idna==3.7"])
+    n = runtime.make_lock(s, uv.resolve(s), s.runtime_lock, ["six==1.16.0", "idna==3.7"])
     assert n == 2
     return s.runtime_lock
 
@@ -50,7 +50,7 @@ def test_installs_and_a_rerun_is_current(built):
     r, env, d = built
     assert r.code == 0, r.text
     assert r.fact("pins") == "2"
-    have = runtime.installed(config.settings(env))
+    have = venvs.installed(env["VENV_DIR"])
     assert have["six"] == "1.16.0" and have["idna"] == "3.7"
     again = run_rig({**env, "INDEX_URL": "http://127.0.0.1:9/simple"}, "build", "--only", "runtime")
     assert again.code == 0, again.text
@@ -67,7 +67,7 @@ def test_a_removed_package_is_installed_again(built, tmp_path):
     r = run_rig(env, "build", "--only", "runtime")
     assert r.code == 0, r.text
     assert "six==1.16.0 (found none)" in r.out
-    assert runtime.installed(config.settings(env))["six"] == "1.16.0"
+    assert venvs.installed(env["VENV_DIR"])["six"] == "1.16.0"
 
 
 def test_hand_edited_hash_is_refused_naming_the_package(built, small_lock, tmp_path):

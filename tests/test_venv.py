@@ -27,7 +27,7 @@ def venv_version(v: Path) -> str:
 
 
 def test_finds_313_without_being_told(tmp_path):
-    python, how = venv.find_python(config.settings(env_for(tmp_path)))
+    python, how = venv.find_python(config.settings(env_for(tmp_path)), shutil.which("uv"))
     assert venv.probe(python)[0] == (3, 13)
     assert how
 
@@ -116,6 +116,6 @@ def test_a_venv_python_named_by_python_gives_its_base(tmp_path):
     env = env_for(tmp_path)
     assert run_rig(env, "build", "--only", "venv").code == 0
     inner = str(tmp_path / ".venv" / "bin" / "python")
-    python, _ = venv.find_python(config.settings({**env, "PYTHON": inner}))
+    python, _ = venv.find_python(config.settings({**env, "PYTHON": inner}), shutil.which("uv"))
     assert not Path(os.path.realpath(python)).is_relative_to(tmp_path / ".venv")
     assert venv.probe(python)[0] == (3, 13)

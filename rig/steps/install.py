@@ -11,41 +11,19 @@ extensions that need it.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
 
-from rig import products, series, upstream
+from rig import products, record, venvs
 from rig.config import Settings
 from rig.console import say
+from rig.cudastub import driver_loadable
 from rig.errors import WorkFailed
-from rig.steps.ops import ccache_counts, pip_install
+from rig.kernels import pip, route
 from rig.steps.pipeline import Context, Status, Step
-from rig.steps.toolchain import driver_loadable
-from rig.steps.venv import site_packages, venv_python
 
 DRIVER = "libcuda.so.1"
-
-
-def installed_vllm(s: Settings) -> tuple[str | None, str]:
-    """The installed vllm's version and what is wrong with it ('' when it is the tree's editable install)."""
-    sp = site_packages(s)
-    infos = sorted(sp.glob("vllm-*.dist-info")) if sp.is_dir() else []
-    if not infos:
-        return None, "vllm is not installed in the venv"
-    info = infos[-1]
-    version = info.name[len("vllm-"):-len(".dist-info")]
-    try:
-        direct = json.loads((info / "direct_url.json").read_text())
-    except (FileNotFoundError, ValueError):
-        return version, f"vllm {version} in the venv is not the rig's install (no direct_url.json)"
-    url = direct.get("url", "")
-    if not direct.get("dir_info", {}).get("editable"):
-        return version, f"vllm {version} in the venv is a plain install from {url or 'an index'}, not this tree"
-    if url != s.vllm_dir.resolve().as_uri():
-        return version, f"vllm in the venv is installed from {url}, not {s.vllm_dir.resolve().as_uri()}"
-    return version, ""
 
 
 def _dynamic(path: Path) -> tuple[list[str], list[Path]]:
@@ -65,7 +43,7 @@ def _system_libs() -> set[str]:
 
 def link_check(s: Settings, rec: products.Record) -> list[str]:
     """Problems of the link layer; checks each product ELF's NEEDED list (no driver needed)."""
-    venv_libs = {p.name for p in site_packages(s).rglob("*.so*")}
+    venv_libs = {p.name for p in venvs.site_packages(s.venv_dir).rglob("*.so*")}
     system = _system_libs()
     problems = []
     drivers = []
@@ -95,7 +73,7 @@ def import_check(s: Settings, rec: products.Record) -> str:
         mods = sorted(rel[:-3].split(".")[0].replace("/", ".") for rel in rec.files
                       if rel.endswith(".so") and "/" in rel)
         code = "import torch, vllm\nimport importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in mods)
-        r = subprocess.run([str(venv_python(s)), "-c", code], capture_output=True, text=True)
+        r = subprocess.run([str(venvs.python(s.venv_dir)), "-c", code], capture_output=True, text=True)
         if r.returncode != 0:
             raise WorkFailed(f"import check failed: {r.stderr.strip().splitlines()[-1:]}. "
                              f"Fix: ./build.sh --force (the kernels may be for another torch or driver)")
@@ -116,41 +94,37 @@ class InstallStep(Step):
 
     def check(self, ctx: Context) -> Status:
         s = ctx.settings
-        version, wrong = installed_vllm(s)
-        rec = ctx.outputs_of(self.name)
-        ops = ctx.outputs_of("ops")
+        version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
+        rec, ops = ctx.record.install, ctx.record.ops or record.Ops()
         if wrong:
             return Status(False, wrong)
-        if version != ops.get("version"):
-            return Status(False, f"vllm {version} installed, the tree is {ops.get('version')}")
-        if rec.get("ops_obj") != ops.get("ops_obj") or rec.get("route") != ops.get("route"):
+        if version != ops.version:
+            return Status(False, f"vllm {version} installed, the tree is {ops.version}")
+        if rec is None or rec.ops_obj != ops.ops_obj or rec.route != ops.route:
             return Status(False, "the kernels changed since the last import check")
         return Status(True, f"vllm {version} (editable, this tree) in {s.venv_dir}", rec)
 
-    def run(self, ctx: Context) -> dict:
+    def run(self, ctx: Context) -> record.Install:
         s = ctx.settings
-        ops = ctx.outputs_of("ops")
+        ops = ctx.record.ops
         rec = products.read(s.vllm_dir)
-        if rec is None:
+        if rec is None or ops is None:
             raise WorkFailed(f"no build record in {s.vllm_dir}: run ./build.sh --only ops first")
-        version, wrong = installed_vllm(s)
-        if wrong or version != ops["version"]:
-            why = wrong or f"vllm {version} installed, the tree is {ops['version']}"
-            say(f"reinstalling: {why}")
+        version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
+        if wrong or version != ops.version:
+            say(f"reinstalling: {wrong or f'vllm {version} installed, the tree is {ops.version}'}")
             wheel = None
             if rec.facts["route"] == "precompiled":
-                sr = series.load(s.patches_dir)
-                wheel, _ = upstream.fetch_file(s.cache, s.index_url, upstream.wheel_name(sr.version),
-                                               rec.facts.get("wheel_sha256"), "the build record's wheel_sha256")
-            pip_install(s, ctx, rec.facts["route"], ops["version"], wheel, "reinstall")
+                wheel, _ = route.official_wheel(s, ctx.series, rec.facts.get("wheel_sha256"))
+            pip.install(s, ctx.record, rec.facts["route"], ops.version, wheel, "reinstall")
             # the reinstall wrote the kernels again for the same inputs: record them, or ops would redo its work
             rec = products.collect(s.vllm_dir, rec.facts)
             products.write(s.vllm_dir, rec)
-            version, wrong = installed_vllm(s)
+            version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
             if wrong:
                 raise WorkFailed(f"after the reinstall: {wrong}. Fix: remove {s.venv_dir} and run ./build.sh")
         say(import_check(s, rec))
-        counts = ccache_counts(ctx.outputs_of("tools").get("ccache") or None)
+        counts = pip.ccache_counts((ctx.record.tools.ccache if ctx.record.tools else "") or None)
         if counts:
             say(f"ccache totals: {counts[0]} hit(s), {counts[1]} miss(es)")
-        return {"vllm_version": version, "ops_obj": ops["ops_obj"], "route": ops["route"]}
+        return record.Install(vllm_version=version or "", ops_obj=ops.ops_obj, route=ops.route)

@@ -1,27 +1,31 @@
 """The build pipeline: steps in order, each skipped when its inputs are unchanged.
 
 A step is a small object: a name, a one-line summary, the steps it needs, a
-``check`` saying whether its output is current (and why), and a ``run``. The
-pipeline prints ``[n/8] name — summary``, skips current steps with the reason,
-runs the others, and records each step's outputs in the build record
-(``.rig/build.toml``, written atomically) so later steps can read them.
+pure ``check`` saying whether its output is current and why (it prints nothing
+and starts no program), a ``run``, and ``describe`` (the lines shown under its
+header). The pipeline prints ``[n/8] name — summary``, skips current steps with
+the reason, runs the others, and records each step's typed outputs in the build
+record (rig/record.py, written atomically) so later steps can read them.
+
+Facts every step may need are read once per run, through the context: the
+settings (built once at the entry), series.toml and the patch files, and the uv
+to use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fcntl
+import functools
 import os
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import tomli_w
-
-from rig import atomic
+from rig import record, series, uv
 from rig.config import Settings
 from rig.console import fact, header, say
 from rig.errors import BadInput, problem
@@ -32,11 +36,11 @@ ORDER = ("tools", "tree", "venv", "runtime", "toolchain", "ops", "install", "pac
 
 @dataclass
 class Status:
-    """Whether a step's output is current, why, and the outputs it stands on."""
+    """Whether a step's output is current, why, and the outputs it stands on (None when not current)."""
 
     current: bool
     reason: str
-    outputs: dict = field(default_factory=dict)
+    outputs: object | None = None
 
 
 @dataclass
@@ -51,14 +55,24 @@ class Options:
 
 @dataclass
 class Context:
-    """What every step sees: the settings, the switches, the record of earlier steps."""
+    """What every step sees: the settings, the switches, the typed record of earlier steps, and the facts
+    read at most once per run (series.toml, the patch files, the uv to use)."""
 
     settings: Settings
     options: Options
-    record: dict
+    record: record.BuildRecord
 
-    def outputs_of(self, step: str) -> dict:
-        return self.record.get("steps", {}).get(step, {}).get("outputs", {})
+    @functools.cached_property
+    def series(self) -> series.Series:
+        return series.load(self.settings.patches_dir)
+
+    @functools.cached_property
+    def patches(self) -> list[Path]:
+        return series.patch_files(self.settings.patches_dir)
+
+    @functools.cached_property
+    def uv(self) -> str | None:
+        return uv.resolve(self.settings)
 
 
 class Step:
@@ -67,30 +81,23 @@ class Step:
     name: str = ""
     summary: str = ""
     needs: tuple[str, ...] = ()
-    #: Machine-readable output keys printed as ``key: value`` after the step.
+    #: Machine-readable output fields printed as ``key: value`` after the step.
     facts: tuple[str, ...] = ()
 
     def check(self, ctx: Context) -> Status:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def run(self, ctx: Context) -> dict:  # pragma: no cover - interface
+    def run(self, ctx: Context) -> object:  # pragma: no cover - interface
         raise NotImplementedError
 
-
-def record_path(s: Settings) -> Path:
-    return s.state_dir / "build.toml"
-
-
-def load_record(s: Settings) -> dict:
-    """The build record; an unreadable one is treated as absent (and rewritten)."""
-    try:
-        return tomllib.loads(record_path(s).read_text())
-    except (FileNotFoundError, tomllib.TOMLDecodeError):
-        return {}
+    def describe(self, ctx: Context, outputs: object) -> list[str]:
+        """Lines shown under the step's header once it is current or has run (the build shows them)."""
+        return []
 
 
-def save_record(s: Settings, record: dict) -> None:
-    atomic.write_text(record_path(s), "# Written by the rig after each build step.\n" + tomli_w.dumps(record))
+def context(s: Settings, options: Options | None = None) -> Context:
+    """The context of one run: the build record read once."""
+    return Context(s, options or Options(), record.load(s.state_dir))
 
 
 class BuildLock:
@@ -143,12 +150,12 @@ def select(steps: Sequence[Step], only: Sequence[str] | None) -> list[Step]:
     return [st for st in steps if st.name in only]
 
 
-def run(steps: Sequence[Step], s: Settings, options: Options, only: Sequence[str] | None = None) -> dict:
+def run(steps: Sequence[Step], s: Settings, options: Options, only: Sequence[str] | None = None
+        ) -> record.BuildRecord:
     """Run (or skip) the selected steps in order; return the updated record."""
     chosen = select(steps, only)
     by_name = {st.name: st for st in steps}
-    record = load_record(s)
-    ctx = Context(s, options, record)
+    ctx = context(s, options)
     total = len(ORDER)
     chosen_names = {st.name for st in chosen}
     started = time.monotonic()
@@ -160,8 +167,7 @@ def run(steps: Sequence[Step], s: Settings, options: Options, only: Sequence[str
             if not status.current:
                 raise BadInput(problem(f"step {need} (needed by {st.name})", "current", status.reason,
                                        f"run it first: ./build.sh --only {need},{st.name}"))
-            if _store(record, need, status.outputs):
-                save_record(s, record)
+            _keep(ctx, need, status.outputs)
         n = ORDER.index(st.name) + 1
         header(n, total, st.name, st.summary)
         t0 = time.monotonic()
@@ -176,35 +182,33 @@ def run(steps: Sequence[Step], s: Settings, options: Options, only: Sequence[str
                 say("runs: --force")
             outputs = st.run(ctx)
             say(f"done in {time.monotonic() - t0:.1f} s")
-        if _store(record, st.name, outputs):
-            save_record(s, record)
+        _keep(ctx, st.name, outputs)
+        for line in st.describe(ctx, outputs):
+            say(line)
+        values = dataclasses.asdict(outputs) if dataclasses.is_dataclass(outputs) else {}
         for key in st.facts:
-            if key in outputs:
-                fact(key, outputs[key])
+            if values.get(key) not in (None, ""):
+                fact(key, values[key])
     print(f"build: {len(chosen)} step(s) in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-    return record
+    return ctx.record
 
 
 def first_stale(steps: Sequence[Step], s: Settings, upto: str = "install") -> tuple[str, str] | None:
     """(step, reason) of the first step up to ``upto`` whose output is not current, or None: what start asks."""
-    record = load_record(s)
-    if not record:
-        return "tools", f"no build record at {record_path(s)} (a first run)"
-    ctx = Context(s, Options(), record)
+    ctx = context(s)
+    if ctx.record.tools is None:
+        return "tools", f"no build record at {record.path(s.state_dir)} (a first run)"
     for st in steps:
         status = st.check(ctx)
         if not status.current:
             return st.name, status.reason
-        _store(record, st.name, status.outputs)
+        ctx.record.put(st.name, status.outputs)
         if st.name == upto:
             break
     return None
 
 
-def _store(record: dict, name: str, outputs: dict) -> bool:
-    """Keep a step's outputs in the record; True when they changed."""
-    entry = record.setdefault("steps", {}).get(name)
-    if entry and entry.get("outputs") == outputs:
-        return False
-    record["steps"][name] = {"outputs": outputs, "at": dt.datetime.now().isoformat(timespec="seconds")}
-    return True
+def _keep(ctx: Context, name: str, outputs: object) -> None:
+    """A step's outputs into the record, written at once when they changed."""
+    if outputs is not None and ctx.record.put(name, outputs):
+        record.save(ctx.settings.state_dir, ctx.record)

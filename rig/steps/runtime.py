@@ -18,13 +18,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import atomic, proc
+from rig import atomic, proc, record, venvs
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
 from rig.steps.pipeline import Context, Status, Step
-from rig.steps.tools import uv_path
-from rig.steps.venv import WANT_TEXT, site_packages, venv_minor, venv_python
+from rig.venvs import WANT_TEXT, norm
 
 PLATFORM = "x86_64-manylinux_2_28"
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
@@ -33,11 +32,6 @@ HASH = re.compile(r"--hash=(sha256:[0-9a-f]{64})")
 BUILD_REQUIRES = ("cmake>=3.26.1", "ninja", "packaging>=24.2", "setuptools>=77.0.3,<81", "setuptools-scm>=8",
                   "setuptools-rust>=1.9", "wheel", "jinja2")
 HEARTBEAT_S = 30.0
-
-
-def norm(name: str) -> str:
-    """PEP 503 normalised project name."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass
@@ -75,25 +69,13 @@ def read_lock(path: Path) -> Lock:
     return Lock(path, m[1] if m else None, pins, hashlib.sha256(text.encode()).hexdigest())
 
 
-def installed(s: Settings) -> dict[str, str]:
-    """name -> version of every distribution in the venv, read from its .dist-info folders."""
-    out = {}
-    sp = site_packages(s)
-    if not sp.is_dir():
-        return out
-    for d in sp.glob("*.dist-info"):
-        name, _, version = d.name[: -len(".dist-info")].partition("-")
-        out[norm(name)] = version
-    return out
-
-
 def differences(lock: Lock, have: dict[str, str]) -> list[str]:
     """Pins the venv does not satisfy, as 'name==want (found X)'."""
     return [f"{n}=={v} (found {have.get(n, 'none')})" for n, (v, _) in lock.pins.items() if have.get(n) != v]
 
 
 def _check_python(lock: Lock, s: Settings) -> None:
-    minor = venv_minor(s.venv_dir)
+    minor = venvs.minor(s.venv_dir)
     found = f"{minor[0]}.{minor[1]}" if minor else "no venv"
     if lock.python is None:
         raise BadInput(problem(f"{lock.path}", "a '# python: X.Y' header line", "none",
@@ -113,43 +95,43 @@ class RuntimeStep(Step):
         s = ctx.settings
         lock = read_lock(s.runtime_lock)
         _check_python(lock, s)
-        rec = ctx.outputs_of(self.name)
-        missing = differences(lock, installed(s))
+        rec = ctx.record.runtime
+        missing = differences(lock, venvs.installed(s.venv_dir))
         if missing:
             return Status(False, f"{len(missing)} pin(s) not installed, e.g. {missing[0]}")
-        if rec.get("lock_sha256") != lock.sha256:
+        if rec is None or rec.lock_sha256 != lock.sha256:
             return Status(False, f"{s.runtime_lock.name} changed since the last install")
         return Status(True, f"{len(lock.pins)} pins of {s.runtime_lock.name} installed", rec)
 
-    def run(self, ctx: Context) -> dict:
+    def run(self, ctx: Context) -> record.Runtime:
         s = ctx.settings
         lock = read_lock(s.runtime_lock)
         _check_python(lock, s)
-        old = ctx.outputs_of(self.name).get("pin_digests", {})
+        old = ctx.record.runtime.pin_digests if ctx.record.runtime else {}
         changed = [n for n in lock.pins if n in old and old[n] != lock.pin_digest(n)]
         if not old:  # first install into this venv: check every hash, even of what is there
-            changed = [n for n in lock.pins if n in installed(s)]
+            changed = [n for n in lock.pins if n in venvs.installed(s.venv_dir)]
         say(f"installing {len(lock.pins)} pins from {s.runtime_lock} with hash checking")
-        install(s, lock, reinstall=changed)
-        missing = differences(lock, installed(s))
+        install(s, ctx.uv, lock, reinstall=changed)
+        missing = differences(lock, venvs.installed(s.venv_dir))
         if missing:
             raise WorkFailed(f"after the install {len(missing)} pin(s) are still missing, e.g. {missing[0]}. "
                              f"Fix: remove {s.venv_dir} and run ./build.sh again")
-        size = sum(f.stat().st_size for f in site_packages(s).rglob("*") if f.is_file()) / 1e9
+        size = sum(f.stat().st_size for f in venvs.site_packages(s.venv_dir).rglob("*") if f.is_file()) / 1e9
         say(f"venv size: {size:.2f} GB")
-        return {"lock_sha256": lock.sha256, "pins": len(lock.pins),
-                "pin_digests": {n: lock.pin_digest(n) for n in lock.pins}}
+        return record.Runtime(lock_sha256=lock.sha256, pins=len(lock.pins),
+                              pin_digests={n: lock.pin_digest(n) for n in lock.pins})
 
 
-def install(s: Settings, lock: Lock, reinstall: list[str]) -> None:
+def install(s: Settings, uv: str | None, lock: Lock, reinstall: list[str]) -> None:
     """Install the lock into the venv, hash-checked; clear errors for bad hashes and missing packages."""
-    uv = uv_path(s)
+    python = venvs.python(s.venv_dir)
     if uv:
-        cmd = [uv, "pip", "install", "--python", str(venv_python(s)), "--require-hashes", "--no-deps",
+        cmd = [uv, "pip", "install", "--python", str(python), "--require-hashes", "--no-deps",
                "-r", str(lock.path)]
         cmd += [x for n in reinstall for x in ("--reinstall-package", n)]
     else:
-        cmd = [str(venv_python(s)), "-m", "pip", "install", "--progress-bar", "off", "--require-hashes",
+        cmd = [str(python), "-m", "pip", "install", "--progress-bar", "off", "--require-hashes",
                "--no-deps", "-r", str(lock.path)]
         if reinstall:
             cmd += ["--force-reinstall", *[f"{n}=={lock.pins[n][0]}" for n in reinstall]]
@@ -193,9 +175,8 @@ def _install_error(tail: list[str], lock: Lock) -> BadInput | None:
     return None
 
 
-def make_lock(s: Settings, out: Path, inputs: list[str], python: str = WANT_TEXT) -> int:
+def make_lock(s: Settings, uv: str | None, out: Path, inputs: list[str], python: str = WANT_TEXT) -> int:
     """``nox -s lock``: resolve ``inputs`` for CPython ``python`` on manylinux x86_64, hashed; return pin count."""
-    uv = uv_path(s)
     if not uv:
         raise BadInput(problem("uv", "on PATH (nox -s lock resolves with uv pip compile)", "not found or UV=0",
                                "install uv: python3 -m pip install --user uv"))
@@ -224,9 +205,9 @@ def make_lock(s: Settings, out: Path, inputs: list[str], python: str = WANT_TEXT
     return pins
 
 
-def lock_main(s: Settings, version: str) -> int:
+def lock_main(s: Settings, uv: str | None, version: str) -> int:
     inputs = [f"vllm=={version}", "# vLLM's build requirements (pyproject.toml [build-system])", *BUILD_REQUIRES]
-    n = make_lock(s, s.runtime_lock, inputs)
+    n = make_lock(s, uv, s.runtime_lock, inputs)
     lock = read_lock(s.runtime_lock)
     torch = lock.pins.get("torch")
     cuda = [p for p in lock.pins if p.startswith("nvidia-cuda-runtime")]

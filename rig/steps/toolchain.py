@@ -13,18 +13,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import cudastub
+from rig import cudastub, record, venvs
 from rig.config import Settings
 from rig.console import say
 from rig.cudastub import driver_loadable
 from rig.errors import BadInput, problem
 from rig.hashing import sha256_file
 from rig.steps.pipeline import Context, Status, Step
-from rig.steps.venv import site_packages
 
 SYSTEM_CUDA = Path("/usr/local/cuda")
-#: The recorded outputs that decide whether the step is current (the stub is checked on disk).
-INPUTS = ("cuda_home", "nvcc", "nvcc_version", "torch_cuda", "driver", "cuda_h_sha256")
 
 
 @dataclass
@@ -53,22 +50,12 @@ def nvcc_version(nvcc: Path) -> str | None:
     return m[1] if m else None
 
 
-def torch_cuda(s: Settings) -> str | None:
-    """The CUDA version torch in the venv was built for, read from torch/version.py (no import)."""
-    try:
-        text = (site_packages(s) / "torch" / "version.py").read_text()
-    except FileNotFoundError:
-        return None
-    m = re.search(r"^cuda(?::[^=]*)?=\s*['\"](\d+\.\d+)['\"]", text, re.M)
-    return m[1] if m else None
-
-
 def candidates(s: Settings, major: int) -> list[tuple[Path, str]]:
     """Toolkit roots to try, in order, with how each was found."""
     out = []
     if s.cuda_home:
         return [(s.cuda_home, "CUDA_HOME")]
-    out.append((site_packages(s) / "nvidia" / f"cu{major}", "the NVIDIA wheels in the venv"))
+    out.append((venvs.site_packages(s.venv_dir) / "nvidia" / f"cu{major}", "the NVIDIA wheels in the venv"))
     out.append((SYSTEM_CUDA, "the standard location"))
     return out
 
@@ -117,36 +104,63 @@ def dev_links(tk: Toolkit) -> int:
     return made
 
 
+def stamp(path: Path) -> str:
+    """A file by path, size and mtime: what the check compares instead of running the program again."""
+    try:
+        st = path.stat()
+    except OSError:
+        return "gone"
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def first_nvcc(s: Settings, major: int) -> Path | None:
+    """The nvcc :func:`find_toolkit` would try first, found without running anything."""
+    return next((root / "bin" / "nvcc" for root, _ in candidates(s, major) if (root / "bin" / "nvcc").exists()),
+                None)
+
+
 class ToolchainStep(Step):
     name = "toolchain"
     summary = "the CUDA toolchain (wheels or system) and the libcuda.so.1 link stub when no driver"
     needs = ("runtime",)
     facts = ("cuda_home", "nvcc_version", "cuda_stub")
 
-    def _inputs(self, s: Settings) -> tuple[str, Toolkit, bool]:
-        tc = torch_cuda(s)
+    def _torch_cuda(self, s: Settings) -> str:
+        tc = venvs.torch_cuda(s.venv_dir)
         if tc is None:
             raise BadInput(problem(f"torch in {s.venv_dir}", "a CUDA build of torch (torch/version.py cuda = X.Y)",
                                    "no CUDA torch", "run ./build.sh --only runtime (the lock pins the CUDA build)"))
-        return tc, find_toolkit(s, int(tc.split(".")[0])), driver_loadable()
+        return tc
 
     def check(self, ctx: Context) -> Status:
         s = ctx.settings
-        tc, tk, driver = self._inputs(s)
-        rec = ctx.outputs_of(self.name)
-        if not rec:
+        tc = self._torch_cuda(s)
+        rec = ctx.record.toolchain
+        if rec is None:
             return Status(False, "not set up yet")
-        now = self._outputs(s, tc, tk, driver, "", 0)
-        if any(rec.get(k) != now[k] for k in INPUTS):
-            return Status(False, "the toolkit, torch or the driver changed")
-        if not driver and not Path(rec["cuda_stub"]).exists():
-            return Status(False, f"the driver stub {rec['cuda_stub']} is gone")
-        self._say(tk, tc, driver, rec.get("cuda_stub", ""))
-        return Status(True, f"CUDA {tk.version} ({tk.how}) matches torch's CUDA {tc}", rec)
+        nvcc = first_nvcc(s, int(tc.split(".")[0]))
+        if rec.torch_cuda != tc or nvcc is None or str(nvcc) != rec.nvcc or stamp(nvcc) != rec.nvcc_stamp:
+            return Status(False, "the toolkit or torch changed")
+        if rec.driver != driver_loadable():
+            return Status(False, "the NVIDIA driver came or went")
+        cuda_h = Path(rec.cuda_home) / "include" / "cuda.h"
+        if rec.cuda_h_sha256 != (sha256_file(cuda_h) if cuda_h.exists() else ""):
+            return Status(False, f"{cuda_h} changed")
+        if not rec.driver and not Path(rec.cuda_stub).exists():
+            return Status(False, f"the driver stub {rec.cuda_stub} is gone")
+        return Status(True, f"CUDA {rec.nvcc_version} matches torch's CUDA {tc}", rec)
 
-    def run(self, ctx: Context) -> dict:
+    def describe(self, ctx: Context, outputs: record.Toolchain) -> list[str]:
+        return [f"CUDA toolkit: {outputs.cuda_home}, nvcc {outputs.nvcc_version}; torch built for CUDA "
+                f"{outputs.torch_cuda}",
+                "NVIDIA driver: libcuda.so.1 loads" if outputs.driver else
+                f"NVIDIA driver: none; link stub {outputs.cuda_stub}"]
+
+    def run(self, ctx: Context) -> record.Toolchain:
         s = ctx.settings
-        tc, tk, driver = self._inputs(s)
+        tc = self._torch_cuda(s)
+        tk, driver = find_toolkit(s, int(tc.split(".")[0])), driver_loadable()
+        say(f"CUDA toolkit: {tk.root} ({tk.how})")
         stub, n = "", 0
         if in_venv(s, tk) and (links := dev_links(tk)):
             say(f"added {links} unversioned library link(s) (libcudart.so ...) to {tk.root / 'lib'} for CMake")
@@ -155,14 +169,7 @@ class ToolchainStep(Step):
             stub = str(lib)
             say(f"no libcuda.so.1 loadable: wrote the link-time stub {lib} ({n} entry points, "
                 f"{lib.stat().st_size / 1024:.0f} KB, soname libcuda.so.1; on no loader path)")
-        self._say(tk, tc, driver, stub)
-        return self._outputs(s, tc, tk, driver, stub, n)
-
-    def _say(self, tk: Toolkit, tc: str, driver: bool, stub: str) -> None:
-        say(f"CUDA toolkit: {tk.root} ({tk.how}), nvcc {tk.version}; torch built for CUDA {tc}")
-        say("NVIDIA driver: libcuda.so.1 loads" if driver else f"NVIDIA driver: none; link stub {stub}")
-
-    def _outputs(self, s: Settings, tc: str, tk: Toolkit, driver: bool, stub: str, n: int) -> dict:
-        return {"cuda_home": str(tk.root), "nvcc": str(tk.nvcc), "nvcc_version": tk.version, "torch_cuda": tc,
-                "driver": driver, "cuda_h_sha256": sha256_file(tk.cuda_h) if tk.cuda_h.exists() else "",
-                "cuda_stub": stub if not driver else "", "stub_entries": n if not driver else 0}
+        return record.Toolchain(
+            cuda_home=str(tk.root), nvcc=str(tk.nvcc), nvcc_stamp=stamp(tk.nvcc), nvcc_version=tk.version,
+            torch_cuda=tc, driver=driver, cuda_h_sha256=sha256_file(tk.cuda_h) if tk.cuda_h.exists() else "",
+            cuda_stub=stub, stub_entries=n)

@@ -8,7 +8,6 @@ are optional; the step says what their absence costs.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shutil
@@ -17,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rig import record
 from rig.config import Settings
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
@@ -57,25 +57,7 @@ def tools_dir(s: Settings) -> Path:
     return s.state_dir / "tools"
 
 
-def uv_path(s: Settings) -> str | None:
-    """The uv the rig uses: ``UV=/path`` (checked to be a uv), else uv on PATH; None with ``UV=0``."""
-    if s.uv == "0":
-        return None
-    if s.uv:
-        return _checked_uv(s.uv)
-    return shutil.which("uv")
-
-
-@functools.cache
-def _checked_uv(path: str) -> str:
-    text = _probe("uv", shutil.which(path) or path).text
-    if not text.startswith("uv "):
-        raise BadInput(problem(f"UV={path}", "a uv executable (uv --version prints 'uv X.Y.Z')", repr(text),
-                               "point UV at a uv, unset it to use the one on PATH, or set UV=0"))
-    return shutil.which(path) or path
-
-
-def detect(s: Settings) -> dict[str, Tool]:
+def detect(s: Settings, uv: str | None) -> dict[str, Tool]:
     """Find every tool, preferring ``.rig/tools/bin`` for cmake and ninja."""
     local = tools_dir(s) / "bin"
     found = {n: _probe(n, shutil.which(n)) for n in ("git", "cc", "c++")}
@@ -83,7 +65,6 @@ def detect(s: Settings) -> dict[str, Tool]:
         sys_tool = _probe(n, shutil.which(n))
         ok = sys_tool.version is not None and (n != "cmake" or sys_tool.version >= CMAKE_MIN)
         found[n] = sys_tool if ok or not (local / n).exists() else _probe(n, str(local / n))
-    uv = uv_path(s)
     found["uv"] = _probe("uv", uv) if uv else Tool("uv", None, None, "refused (UV=0)" if s.uv else "not found")
     found["ccache"] = _probe("ccache", shutil.which("ccache"))
     found["cargo"] = _probe("cargo", shutil.which("cargo"))
@@ -118,7 +99,7 @@ def _stamp(path: str | None) -> str:
     return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def fingerprint(s: Settings) -> str:
+def fingerprint(s: Settings, uv: str | None) -> str:
     """Which files :func:`detect` would look at, by path, size and mtime, without running any of them.
 
     A re-run that finds the same files need not ask their versions again.
@@ -126,7 +107,7 @@ def fingerprint(s: Settings) -> str:
     local = tools_dir(s) / "bin"
     stamps = [f"{n}={_stamp(shutil.which(n))}" for n in ("git", "cc", "c++", "ccache", "cargo", "cmake", "ninja")]
     stamps += [f"local-{n}={_stamp(str(local / n))}" for n in ("cmake", "ninja")]
-    stamps += [f"uv={_stamp(uv_path(s))}", f"CCACHE_DIR={s.ccache_dir or ''}"]
+    stamps += [f"uv={_stamp(uv)}", f"CCACHE_DIR={s.ccache_dir or ''}"]
     return "|".join(stamps)
 
 
@@ -136,32 +117,33 @@ class ToolsStep(Step):
     facts = ("cmake", "ninja", "ccache_dir")
 
     def check(self, ctx: Context) -> Status:
-        rec = ctx.outputs_of(self.name)
-        if rec.get("fingerprint") and rec["fingerprint"] == fingerprint(ctx.settings):
-            say(f"cmake {rec['cmake_version'].split()[-1]} ({rec['cmake']}), ninja {rec['ninja']}")
-            if rec.get("ccache_dir"):
-                say(f"ccache directory: {rec['ccache_dir']} (CCACHE_DIR moves it)")
-            return Status(True, "every tool found (the same files as last time)", rec)
-        found = detect(ctx.settings)
-        gone = missing(found)
-        if gone:
-            return Status(False, "missing or too old: " + ", ".join(gone))
-        return Status(True, "every tool found", self._report(ctx.settings, found))
+        rec = ctx.record.tools
+        if rec is None:
+            return Status(False, "not looked for yet")
+        if rec.fingerprint != fingerprint(ctx.settings, ctx.uv):
+            return Status(False, "the tools on PATH (or CCACHE_DIR, or UV) changed since the last run")
+        return Status(True, "every tool found (the same files as last time)", rec)
 
-    def run(self, ctx: Context) -> dict:
+    def describe(self, ctx: Context, outputs: record.Tools) -> list[str]:
+        lines = [f"cmake {outputs.cmake_version.split()[-1]} ({outputs.cmake}), ninja {outputs.ninja}"]
+        if outputs.ccache_dir:
+            lines.append(f"ccache directory: {outputs.ccache_dir} (CCACHE_DIR moves it)")
+        return lines
+
+    def run(self, ctx: Context) -> record.Tools:
         s = ctx.settings
-        found = detect(s)
+        found = detect(s, ctx.uv)
         for n, fix in REQUIRED.items():
             if found[n].path is None:
                 raise BadInput(problem(f"the build tool {n}", "on PATH", found[n].text, fix))
         if "cmake" in missing(found) or "ninja" in missing(found):
             self._install_cmake_ninja(s, found)
-            found = detect(s)
+            found = detect(s, ctx.uv)
             gone = missing(found)
             if gone:
                 raise WorkFailed(f"cmake/ninja from PyPI did not work ({', '.join(gone)}). "
                                  f"Fix: rm -rf {tools_dir(s)} and run again, or apt-get install -y cmake ninja-build")
-        return self._report(s, found)
+        return self._report(s, ctx.uv, found)
 
     def _install_cmake_ninja(self, s: Settings, found: dict[str, Tool]) -> None:
         cm = found["cmake"]
@@ -182,24 +164,19 @@ class ToolsStep(Step):
             raise WorkFailed(f"installing cmake and ninja from PyPI failed ({exc}). Fix: check the network, "
                              "or install them: pip install 'cmake>=3.26' ninja") from None
 
-    def _report(self, s: Settings, found: dict[str, Tool]) -> dict:
+    def _report(self, s: Settings, uv: str | None, found: dict[str, Tool]) -> record.Tools:
         for t in found.values():
             say(f"{t.name:7} {t.text:45.45} {t.path or ''}")
         cdir = ccache_dir(found)
-        if cdir:
-            say(f"ccache directory: {cdir} (CCACHE_DIR moves it)")
-        else:
+        if not cdir:
             warn("ccache not found: every kernel compiles from scratch. Fix: apt-get install -y ccache")
         cargo = found["cargo"]
         rust = cargo.version is not None and cargo.version[:2] == RUST_CHANNEL
         if not rust:
             say(f"cargo {'.'.join(map(str, RUST_CHANNEL))} {'not found' if not cargo.path else 'not the version'}: "
                 "the Rust frontend is skipped, the Python tool parsers are used")
-        return {
-            "fingerprint": fingerprint(s),
-            "git": found["git"].path, "cc": found["cc"].path, "cxx": found["c++"].path,
-            "cmake": found["cmake"].path, "cmake_version": found["cmake"].text,
-            "ninja": found["ninja"].path, "uv": found["uv"].path or "",
-            "ccache": found["ccache"].path or "", "ccache_dir": cdir or "",
-            "cargo": cargo.path if rust else "",
-        }
+        return record.Tools(
+            fingerprint=fingerprint(s, uv), git=found["git"].path or "", cc=found["cc"].path or "",
+            cxx=found["c++"].path or "", cmake=found["cmake"].path or "", cmake_version=found["cmake"].text,
+            ninja=found["ninja"].path or "", uv=found["uv"].path or "", ccache=found["ccache"].path or "",
+            ccache_dir=cdir or "", cargo=(cargo.path or "") if rust else "")

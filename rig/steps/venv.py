@@ -14,14 +14,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from rig import record, venvs
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
 from rig.steps.pipeline import Context, Status, Step
-from rig.steps.tools import uv_path
+from rig.venvs import WANT, WANT_TEXT
 
-WANT = (3, 13)
-WANT_TEXT = "3.13"
 INSTALL_HINT = ("install CPython 3.13 (pyenv install 3.13, or apt-get install python3.13) "
                 "or point PYTHON at one")
 
@@ -63,20 +62,20 @@ def _inside(path: str, folder: Path) -> bool:
     return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
 
 
-def find_python(s: Settings) -> tuple[str, str]:
+def find_python(s: Settings, uv: str | None) -> tuple[str, str]:
     """A CPython 3.13 executable and how it was found; never one inside the venv about to be replaced."""
-    exe, how = _find_python(s)
+    exe, how = _find_python(s, uv)
     if _inside(exe, s.venv_dir):
         raise BadInput(problem(f"the Python for {s.venv_dir} (found by {how})", "an interpreter outside that venv",
                                exe, f"point PYTHON at a python{WANT_TEXT} that is not in {s.venv_dir}"))
     return exe, how
 
 
-def _find_python(s: Settings) -> tuple[str, str]:
+def _find_python(s: Settings, uv: str | None) -> tuple[str, str]:
     if s.python:
         exe = s.python if os.sep in s.python else (shutil.which(s.python) or s.python)
         got = probe(exe)
-        if got is None and (uv := uv_path(s)):
+        if got is None and uv:
             r = subprocess.run([uv, "python", "find", s.python], capture_output=True, text=True)
             got = probe(r.stdout.strip()) if r.returncode == 0 else None
         if got is None or got[0] != WANT:
@@ -84,7 +83,6 @@ def _find_python(s: Settings) -> tuple[str, str]:
             raise BadInput(problem(f"PYTHON/UV_PYTHON={s.python}", f"a CPython {WANT_TEXT}", found,
                                    f"point PYTHON at a python{WANT_TEXT}, or unset it to search"))
         return got[1], f"PYTHON/UV_PYTHON={s.python}"
-    uv = uv_path(s)
     if uv:
         r = subprocess.run([uv, "python", "find", "--system", "--no-python-downloads", WANT_TEXT],
                            capture_output=True, text=True)
@@ -102,30 +100,9 @@ def _find_python(s: Settings) -> tuple[str, str]:
                            "pyenv's versions", "none", INSTALL_HINT))
 
 
-def venv_python(s: Settings) -> Path:
-    return s.venv_dir / "bin" / "python"
-
-
-def venv_minor(venv: Path) -> tuple[int, int] | None:
-    """The venv's Python minor from pyvenv.cfg, without starting Python; None if broken."""
-    try:
-        cfg = (venv / "pyvenv.cfg").read_text()
-    except FileNotFoundError:
-        return None
-    m = re.search(r"^(?:version|version_info)\s*=\s*(\d+)\.(\d+)", cfg, re.M)
-    if not m or not os.path.exists(venv / "bin" / "python"):  # exists() follows the link: gone means broken
-        return None
-    return int(m[1]), int(m[2])
-
-
-def site_packages(s: Settings) -> Path:
-    return s.venv_dir / "lib" / f"python{WANT_TEXT}" / "site-packages"
-
-
-def caches(s: Settings) -> dict[str, str]:
+def caches(uv: str | None) -> dict[str, str]:
     """The wheel caches of the current user, which the venv installs reuse."""
     out = {}
-    uv = uv_path(s)
     if uv:
         r = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True)
         out["uv_cache"] = r.stdout.strip()
@@ -140,25 +117,30 @@ class VenvStep(Step):
 
     def check(self, ctx: Context) -> Status:
         s = ctx.settings
-        minor = venv_minor(s.venv_dir)
+        minor = venvs.minor(s.venv_dir)
         if not s.venv_dir.exists():
             return Status(False, f"{s.venv_dir} does not exist yet")
         if minor is None:
             return Status(False, f"{s.venv_dir} is broken (its interpreter or pyvenv.cfg is gone): replacing it")
         if minor != WANT:
             return Status(False, f"{s.venv_dir} has Python {minor[0]}.{minor[1]}, not {WANT_TEXT}: replacing it")
-        self._print_caches(s)
-        return Status(True, f"{s.venv_dir} has CPython {WANT_TEXT}", self._outputs(s))
+        return Status(True, f"{s.venv_dir} has CPython {WANT_TEXT}", self._outputs(ctx))
 
-    def run(self, ctx: Context) -> dict:
+    def describe(self, ctx: Context, outputs: record.Venv) -> list[str]:
+        return [f"{k.replace('_', ' ')}: {v} (reused)" for k, v in caches(ctx.uv).items()]
+
+    def run(self, ctx: Context) -> record.Venv:
         s = ctx.settings
-        python, how = find_python(s)
+        for stale in s.venv_dir.parent.glob(f"{s.venv_dir.name}.old-*"):  # a killed run of this step left it
+            say(f"removing {stale}, left by an interrupted run")
+            shutil.rmtree(stale, ignore_errors=True)
+        python, how = find_python(s, ctx.uv)
         say(f"CPython {WANT_TEXT}: {python} (found by {how})")
         old = None
         if s.venv_dir.exists() or s.venv_dir.is_symlink():
             old = s.venv_dir.with_name(f"{s.venv_dir.name}.old-{int(time.time())}")
             os.replace(s.venv_dir, old)
-        uv = uv_path(s)
+        uv = ctx.uv
         try:
             if uv:
                 say(f"creating {s.venv_dir} with {uv}")
@@ -176,12 +158,8 @@ class VenvStep(Step):
             raise
         if old:
             shutil.rmtree(old, ignore_errors=True)
-        self._print_caches(s)
-        return self._outputs(s)
+        return self._outputs(ctx)
 
-    def _print_caches(self, s: Settings) -> None:
-        for k, v in caches(s).items():
-            say(f"{k.replace('_', ' ')}: {v} (reused)")
-
-    def _outputs(self, s: Settings) -> dict:
-        return {"venv": str(s.venv_dir), "python": str(venv_python(s)), "uv": uv_path(s) or ""}
+    def _outputs(self, ctx: Context) -> record.Venv:
+        venv = ctx.settings.venv_dir
+        return record.Venv(venv=str(venv), python=str(venvs.python(venv)), uv=ctx.uv or "")

@@ -1,0 +1,53 @@
+"""The one kernel target: what kernels this tree and venv need.
+
+``nox -s pack`` writes it into the manifest, ``nox -s verify`` and the container's
+verify check a tarball against it, and the container adopts kernels only for it.
+Standard library only: the container build reads it before the rig's dependencies exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rig import venvs
+from rig.config import Settings
+from rig.errors import BadInput, problem
+from rig.record import BuildRecord, path
+
+#: What to run when the record of steps 1-5 is missing.
+FIRST = "./build.sh --only tools,tree,venv,runtime,toolchain"
+
+
+@dataclass(frozen=True)
+class Target:
+    """OPS_OBJ of the tree, the GPU architectures wanted, the venv's CPython minor, torch's CUDA major, torch."""
+
+    ops_obj: str
+    arch: str
+    python: str
+    cuda: str
+    torch: str
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def _missing(item: str) -> BadInput:
+    return BadInput(problem(item, "recorded", "none", f"run {FIRST} first"))
+
+
+def of_build(s: Settings, rec: BuildRecord) -> Target:
+    """The target of this tree (the build record) and venv, for ``ARCH``."""
+    if rec.tree is None or not rec.tree.ops_obj:
+        raise _missing(f"{path(s.state_dir)}: the tree step's ops_obj")
+    if rec.toolchain is None or not rec.toolchain.torch_cuda:
+        raise _missing(f"{path(s.state_dir)}: the toolchain step's torch_cuda")
+    minor = venvs.minor(s.venv_dir)
+    if minor is None:
+        raise BadInput(problem(f"the venv {s.venv_dir}", "a venv with pyvenv.cfg", "none", f"run {FIRST} first"))
+    torch = venvs.installed(s.venv_dir).get("torch")
+    if torch is None:
+        raise BadInput(problem(f"torch in {s.venv_dir}", "installed", "none", f"run {FIRST} first"))
+    return Target(ops_obj=rec.tree.ops_obj, arch=s.arch, python=f"{minor[0]}.{minor[1]}",
+                  cuda=rec.toolchain.torch_cuda.split(".")[0], torch=torch)
