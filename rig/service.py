@@ -33,10 +33,6 @@ LOGROTATE = "etc/logrotate.d/vllm"
 RECORD = "var/lib/vllm-rig/installed.toml"
 #: Set in the environment file the service reads (the rest are commented defaults).
 ENV_SET = {"MODEL_NAME": config.SERVICE_MODEL_NAME}
-#: Variables of the build only, or of other tools: not offered in the service's environment file.
-ENV_SKIP = {"MAX_JOBS", "ARCH", "NVCC_THREADS", "OPS_ROUTE", "STATUS_INTERVAL", "BUILD_LOG_DIR", "UV", "FETCH",
-            "PACK", "CCACHE_DIR", "VLLM_UPSTREAM_URL", "VLLM_SOURCE", "INDEX_URL", "RIG_CACHE", "PYTHON",
-            "UV_PYTHON", "RUNTIME_LOCK", "LOG", "VLLM_CONTAINER", "BASE_URL", "MODEL", "TOKENIZER"}
 
 
 @dataclass(frozen=True)
@@ -69,13 +65,14 @@ def render_env() -> str:
              "# Mode 0600: it can hold VLLM_API_KEY. Uncomment a line to change that default; then",
              "# scripts/install-as-service.sh stop && scripts/install-as-service.sh start.", ""]
     for v in config.VARS:
-        if v.reader != "rig" or v.name in ENV_SKIP:
+        if not v.service:
             continue
-        lines.append(f"# {v.name}: {v.meaning.replace('`', '')}")
+        lines.append(f"# {v.name}: {v.meaning.replace('`', '')}"
+                     + (f" Default: {v.default.replace('`', '')}." if v.literal is None else ""))
         if v.name in ENV_SET:
             lines.append(f"{v.name}={ENV_SET[v.name]}")
-        else:
-            lines.append(f"#{v.name}={v.default.replace('`', '')}")
+        else:  # uncommented as written, each line keeps the default (a derived one is left empty)
+            lines.append(f"#{v.name}={v.literal or ''}")
     return "\n".join(lines) + "\n"
 
 

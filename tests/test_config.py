@@ -47,6 +47,26 @@ def test_bad_value_exits_2_from_the_command_line():
 
 def test_every_variable_the_code_reads_is_in_the_table():
     text = (ROOT / "rig/config.py").read_text()
-    read = set(re.findall(r'(?:_int|_flag|_path|_choice|_index|_seconds)\(env, "([A-Z][A-Z0-9_]+)"', text))
-    read |= set(re.findall(r'env\.get\("([A-Z][A-Z0-9_]+)"', text))
+    read = {v.name for v in config.VARS if v.parse} | set(re.findall(r'env\.get\("([A-Z][A-Z0-9_]+)"', text))
     assert read == config.RIG_VARS
+
+
+@pytest.mark.parametrize("cls,group", [(config.Settings, "build"), (config.Serve, "serve"), (config.Bench, "bench")])
+def test_each_setting_is_filled_by_exactly_one_variable(cls, group):
+    from dataclasses import fields
+
+    filled = [v.field for v in config.VARS if v.group == group and v.parse]
+    assert sorted(filled) == sorted(f.name for f in fields(cls) if f.name != "root")
+
+
+def test_a_default_is_written_once_and_the_parser_reads_it():
+    """Changing a default in the table changes the parsed value: no second copy in the code."""
+    import dataclasses
+
+    i = next(n for n, v in enumerate(config.VARS) if v.name == "MAX_JOBS")
+    changed = (*config.VARS[:i], dataclasses.replace(config.VARS[i], default="7"), *config.VARS[i + 1:])
+    try:
+        config.VARS, old = changed, config.VARS
+        assert config.settings({}).max_jobs == 7
+    finally:
+        config.VARS = old

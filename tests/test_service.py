@@ -196,3 +196,22 @@ def test_without_a_prefix_it_needs_root(monkeypatch, verb):
     assert e.value.code == 2
     assert f"service {verb}: expected root" in e.value.message and "found uid 1000" in e.value.message
     assert f"sudo scripts/install-as-service.sh {verb}" in e.value.message
+
+
+def test_the_environment_file_uncommented_as_written_keeps_every_default():
+    """Uncommenting a line must not set a value the default never had (the word 'empty', 'unset')."""
+    from rig import config, service
+
+    env = {}
+    for line in service.render_env().splitlines():
+        if line.startswith("#") and "=" in line and not line.startswith("# "):
+            k, v = line[1:].split("=", 1)
+            env[k] = v
+        elif "=" in line and not line.startswith("#"):
+            env.update([line.split("=", 1)])
+    assert {"VLLM_API_KEY", "CUDA_HOME", "SCALES", "HOST", "PORT"} <= set(env)
+    assert env["VLLM_API_KEY"] == "" and env["CUDA_HOME"] == ""
+    assert config.settings(env) == config.settings({})
+    served = config.serve_settings(env)
+    assert served == config.serve_settings({"MODEL_NAME": config.SERVICE_MODEL_NAME})
+    assert served.api_key == ""
