@@ -42,7 +42,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from rig.errors import BadInput, RigError, WorkFailed
+from rig.console import INDENT, guard
+from rig.errors import BadInput, WorkFailed
 from rig.hashing import sha256_file
 
 MANIFEST = "manifest.toml"
@@ -130,7 +131,7 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
                 done += info.size
                 if progress and time.monotonic() - last > 2:
                     last = time.monotonic()
-                    print(f"      packing: {done / 1e6:.0f} / {total / 1e6:.0f} MB", file=sys.stderr, flush=True)
+                    print(f"{INDENT}packing: {done / 1e6:.0f} / {total / 1e6:.0f} MB", file=sys.stderr, flush=True)
         tar_sha = sha256_file(tmp_tar)
         manifest = {**facts, "files": len(names), "bytes": total, "date": dt.date.today().isoformat(),
                     "glibc": os.confstr("CS_GNU_LIBC_VERSION").split()[-1], "tarball": tar_name,
@@ -151,7 +152,7 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
             p.unlink(missing_ok=True)
     if progress:
         size = (out / tar_name).stat().st_size
-        print(f"      packed {len(names)} files, {total / 1e6:.0f} MB into {out / tar_name} "
+        print(f"{INDENT}packed {len(names)} files, {total / 1e6:.0f} MB into {out / tar_name} "
               f"({size / 1e6:.0f} MB, {time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
     return manifest
 
@@ -337,13 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     target = {"ops_obj": a.ops_obj, "tree": a.tree, "arch": a.arch, "python": a.python, "cuda": a.cuda,
               "torch": a.torch}
-    try:
+    def go() -> int:
         n = verify(a.artifacts, a.dest, target)
-    except RigError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return exc.code
-    print(f"verified and installed {n} files into {a.dest}")
-    return 0
+        print(f"verified and installed {n} files into {a.dest}")
+        return 0
+
+    return guard(go)
 
 
 if __name__ == "__main__":

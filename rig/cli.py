@@ -7,8 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rig import config
-from rig.console import error
-from rig.errors import RigError
+from rig.console import guard
 from rig.steps import pipeline
 from rig.steps.order import steps
 
@@ -224,14 +223,7 @@ def _run(only, force, accept, verify, pack, what) -> int:
 
 
 def _guard(fn: Callable[[], int]) -> int:
-    try:
-        return fn()
-    except RigError as exc:
-        error(exc.message)
-        return exc.code
-    except KeyboardInterrupt:
-        error("interrupted; nothing half-done is trusted by the next run")
-        return 130
+    return guard(fn)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

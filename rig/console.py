@@ -1,8 +1,11 @@
-"""How the rig talks: step headers, indented detail lines, warnings, errors."""
+"""How the rig talks: step headers, indented detail lines, warnings, errors, and the one exit path."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+
+from rig.errors import RigError
 
 INDENT = "      "
 
@@ -28,3 +31,17 @@ def fact(key: str, value: object) -> None:
 
 def error(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def guard(fn: Callable[[], int], interrupted: str = "interrupted; nothing half-done is trusted by the next run"
+          ) -> int:
+    """Run an entry point: a :class:`RigError` becomes one ``error:`` line and its exit code (2 bad input, 1 the
+    work failed); Ctrl-C becomes 130. Every command of the rig ends through here."""
+    try:
+        return fn()
+    except RigError as exc:
+        error(exc.message)
+        return exc.code
+    except KeyboardInterrupt:
+        error(interrupted)
+        return 130

@@ -15,12 +15,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from rig import config
-from rig.console import say
-from rig.errors import BadInput, RigError, WorkFailed, problem
+from rig.console import guard, say
+from rig.errors import BadInput, WorkFailed, problem
 
 FACTS = ("ops_obj", "arch", "python", "cuda", "torch")
 
@@ -78,17 +77,16 @@ def main(argv: list[str] | None = None) -> int:
                        "dependencies)")
     a.add_argument("--artifacts", type=Path, required=True, help="the folder verify checked (manifest, sums list)")
     args = ap.parse_args(argv)
-    try:
+    def go() -> int:
         s = config.settings()
         if args.cmd == "adopt":
             adopt(s, args.artifacts)
             return 0
         t = target(s)
         print(t[args.name] if args.cmd == "fact" else "\n".join(f"{k}: {v}" for k, v in t.items()))
-    except RigError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return exc.code
-    return 0
+        return 0
+
+    return guard(go)
 
 
 if __name__ == "__main__":

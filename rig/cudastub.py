@@ -18,11 +18,11 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from rig.errors import BadInput, RigError, WorkFailed, problem
+from rig.console import guard
+from rig.errors import BadInput, WorkFailed, problem
 
 DECL = re.compile(r"\bCUresult\s+CUDAAPI\b")
 NAME_AFTER = re.compile(r"\s*(cu[A-Za-z0-9_]+)\s*\(")
@@ -115,13 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="the folder for the stub (on no loader path)")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"), help="the C compiler (default: $CC or cc)")
     a = ap.parse_args(argv)
-    try:
+    def go() -> int:
         lib, n = build(a.cuda_h, a.out, a.cc)
-    except RigError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return exc.code
-    print(f"{lib}: {n} entry points, {lib.stat().st_size / 1024:.0f} KB, soname libcuda.so.1")
-    return 0
+        print(f"{lib}: {n} entry points, {lib.stat().st_size / 1024:.0f} KB, soname libcuda.so.1")
+        return 0
+
+    return guard(go)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import tomli_w
 
 from rig import atomic, config, series, worktree
-from rig.console import say, warn
+from rig.console import INDENT, say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
 from rig.kernels import route
@@ -143,7 +143,7 @@ def check(s: config.Settings) -> int:
         worktree.drop_scratch(built)
         shutil.rmtree(scratch.parent, ignore_errors=True)
     for r in reports:
-        print(f"      {r.line()}", flush=True)
+        print(f"{INDENT}{r.line()}", flush=True)
     bad = [r for r in reports if r.result == "conflict"]
     compile_n = sum(r.forces_compile for r in reports)
     say(f"{len(reports)} patch(es) on {sr.tag} ({built.source}): {len(reports) - len(bad)} apply, "
@@ -191,7 +191,7 @@ def rebase(s: config.Settings, version: str, keep_going: bool, out: Path | None)
     try:
         reports = walk(built.repo, files, target, three_way=True, keep_going=keep_going)
         for r in reports:
-            print(f"      {r.line()}", flush=True)
+            print(f"{INDENT}{r.line()}", flush=True)
         ok = all(r.result in ("applies", "applies with 3-way") for r in reports)
         written = None
         if ok:

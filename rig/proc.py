@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
-from rig.console import say
+from rig.console import INDENT, say
 
 Status = Callable[[float, list[str]], str]
 
@@ -43,7 +43,7 @@ def watch(cmd: list[str], *, status: Status, interval: float, env: Mapping[str, 
             if log:
                 log.write(line + "\n")
             if line.strip():
-                print(f"      | {line}", flush=True)
+                print(f"{INDENT}| {line}", flush=True)
         code = proc.wait()
     except BaseException:
         proc.terminate()

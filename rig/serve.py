@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 
 from rig import box, config, engine, supervise, topology
-from rig.console import say, warn
+from rig.console import INDENT, say, warn
 from rig.errors import BadInput, problem
 from rig.steps import pipeline
 from rig.steps.order import steps
@@ -58,7 +58,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         failed = [c for c in checks if c.status == "fail"]
         for c in checks:
             if dry_run or c.status != "pass":
-                print(f"      {c.line()}", file=sys.stderr if c.status != "pass" else sys.stdout, flush=True)
+                print(f"{INDENT}{c.line()}", file=sys.stderr if c.status != "pass" else sys.stdout, flush=True)
         if failed:
             raise BadInput(f"the box check: {len(failed)} of {len(checks)} checks failed (each is above, with its "
                            "fix); nox -s doctor lists them all, ./start.sh --skip-box-check starts anyway")
@@ -80,7 +80,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
              f"port {s.port} can use it. Set VLLM_API_KEY, or HOST=127.0.0.1")
     if dry_run:
         for line in eng.shown():
-            print(f"      {line}")
+            print(f"{INDENT}{line}")
         say(f"log: {s.log or 'the terminal (LOG is empty)'}; mode: "
             f"{'foreground' if foreground or not s.log else 'detached'}; dry run: nothing started")
         return 0

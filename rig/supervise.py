@@ -31,7 +31,7 @@ import tomli_w
 
 from rig import REPO_ROOT, atomic, logs
 from rig.config import Serve, Settings
-from rig.console import error, say, warn
+from rig.console import INDENT, error, say, warn
 from rig.engine import Engine
 from rig.errors import BadInput, WorkFailed, problem
 
@@ -334,7 +334,7 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
             list(lines.new())  # the last lines, into lines.tail
             if s.log:
                 for line in list(lines.tail)[-15:]:
-                    print(f"      | {line}", file=sys.stderr)
+                    print(f"{INDENT}| {line}", file=sys.stderr)
             where = f"; the full log is {s.log}" if s.log else ""
             raise WorkFailed(f"the engine exited with code {code} after {time.monotonic() - t0:.0f} s, before it "
                              f"was healthy{' (its last lines are above)' if s.log else ''}{where}")

@@ -9,15 +9,15 @@ from __future__ import annotations
 import sys
 
 from rig.bench.sweep import table_main
-from rig.console import error
-from rig.errors import BadInput, RigError, problem
+from rig.console import guard
+from rig.errors import BadInput, problem
 
-args = sys.argv[1:]
-try:
+
+def _main(args: list[str]) -> int:
     if not args or args[0] != "table":
         raise BadInput(problem("python -m rig.bench", "the subcommand table", " ".join(args) or "none",
                                "run benchmarks/bench.sh for a benchmark"))
-    raise SystemExit(table_main(args[1:]))
-except RigError as exc:
-    error(exc.message)
-    raise SystemExit(exc.code) from None
+    return table_main(args[1:])
+
+
+raise SystemExit(guard(lambda: _main(sys.argv[1:])))
