@@ -94,9 +94,21 @@ def verify(argv: Sequence[str]) -> int:
 
 def logs(argv: Sequence[str]) -> int:
     """``./vllm-logs.sh``: the engine's stats lines, one coloured line per update."""
-    from rig import logs as reader
+    def go() -> int:
+        from rig import logs as reader
 
-    return reader.main(list(argv))
+        s = config.settings()
+        p = argparse.ArgumentParser(prog="vllm-logs.sh", description="vLLM's stats lines, one coloured line per "
+                                    "update.")
+        p.add_argument("-f", "--follow", action="store_true", help=f"follow the log file (LOG, now {s.log or 'unset'})")
+        p.add_argument("-n", "--lines", type=int, default=None,
+                       help="start from the last N lines (default 500 with -f)")
+        p.add_argument("--since", default="10m", help="with docker: how far back (default 10m)")
+        p.add_argument("--file", help="read this file instead of LOG")
+        a = p.parse_args(argv)
+        return reader.show(s, a.follow, a.lines, a.since, a.file)
+
+    return _guard(go)
 
 
 def doctor(argv: Sequence[str]) -> int:
@@ -180,14 +192,42 @@ def service(argv: Sequence[str]) -> int:
     """``scripts/install-as-service.sh VERB``: the systemd service."""
     from rig import service as svc
 
-    return _guard(lambda: svc.main(list(argv)))
+    p = argparse.ArgumentParser(prog="scripts/install-as-service.sh", description="Run the rig under systemd: the "
+                                "unit, its environment file, the logrotate policy.")
+    p.add_argument("verb", choices=svc.VERBS)
+    p.add_argument("--root", help="write under this prefix instead of / (default: DESTDIR, else /)")
+    p.add_argument("-n", "--lines", type=int, default=200, help="logs: start from the last N lines")
+    a = p.parse_args(argv)
+    return _guard(lambda: svc.run(config.settings(), a.verb, a.root, a.lines))
 
 
 def patches(argv: Sequence[str]) -> int:
     """``nox -s patches -- check | rebase vX.Y.Z | new NAME``: the series tooling."""
+    from pathlib import Path
+
     from rig import patches as tool
 
-    return _guard(lambda: tool.main(list(argv)))
+    p = argparse.ArgumentParser(prog="nox -s patches --", description="Series tooling: check the series, try it "
+                                "on another upstream version, export new commits from vllm/ as patches.")
+    sub = p.add_subparsers(dest="verb", required=True)
+    sub.add_parser("check", help="one line per patch: applies, files, compiled inputs, why")
+    rb = sub.add_parser("rebase", help="try the series on another upstream version, in scratch")
+    rb.add_argument("version", help="e.g. v0.31.0")
+    rb.add_argument("--keep-going", action="store_true", help="go on past a conflict to see the rest")
+    rb.add_argument("--out", type=Path, help="where the rebased series goes (default patches-vX.Y.Z/)")
+    nw = sub.add_parser("new", help="export the commits on top of the series in vllm/ as the next patches")
+    nw.add_argument("name", help="the patch name, NNNN-NAME.patch")
+    a = p.parse_args(argv)
+
+    def go() -> int:
+        s = config.settings()
+        if a.verb == "check":
+            return tool.check(s)
+        if a.verb == "rebase":
+            return tool.rebase(s, a.version, a.keep_going, a.out.resolve() if a.out else None)
+        return tool.new(s, a.name)
+
+    return _guard(go)
 
 
 def bench(argv: Sequence[str]) -> int:

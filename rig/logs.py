@@ -13,7 +13,6 @@ file with ``-f``, followed across rotation (renamed or truncated).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -23,6 +22,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from rig.config import Settings
+from rig.errors import BadInput, problem
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 PREFIX = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[[^\]]*\] (.*)$")
@@ -264,55 +266,40 @@ def docker_lines(container: str, since: str) -> Iterator[str]:
         proc = subprocess.Popen(["docker", "logs", "--since", since, container], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace")
     except FileNotFoundError:
-        raise SystemExit2(f"docker: not found; expected the docker client to read the container {container!r}. "
-                          "Fix: read the log file instead: ./vllm-logs.sh -f") from None
+        raise BadInput(f"docker: not found; expected the docker client to read the container {container!r}. "
+                       "Fix: read the log file instead: ./vllm-logs.sh -f") from None
     assert proc.stdout
     first = True
     for line in proc.stdout:
         if first and ("No such container" in line or "Cannot connect to the Docker daemon" in line):
             proc.wait()
-            raise SystemExit2(f"container {container!r}: expected a running container, found: {line.strip()}. "
-                              "Fix: docker compose up -d, set VLLM_CONTAINER, or read the file: ./vllm-logs.sh -f")
+            raise BadInput(f"container {container!r}: expected a running container, found: {line.strip()}. "
+                           "Fix: docker compose up -d, set VLLM_CONTAINER, or read the file: ./vllm-logs.sh -f")
         first = False
         yield line
     proc.wait()
 
 
-class SystemExit2(Exception):
-    """Bad input for the log reader: one line, exit 2."""
-
-
-def main(argv: list[str] | None = None) -> int:
-    from rig import config
-
-    s = config.settings()
-    ap = argparse.ArgumentParser(prog="vllm-logs.sh", description="vLLM's stats lines, one coloured line per update.")
-    ap.add_argument("-f", "--follow", action="store_true", help=f"follow the log file (LOG, now {s.log or 'unset'})")
-    ap.add_argument("-n", "--lines", type=int, default=None, help="start from the last N lines (default 500 with -f)")
-    ap.add_argument("--since", default="10m", help="with docker: how far back (default 10m)")
-    ap.add_argument("--file", help="read this file instead of LOG")
-    a = ap.parse_args(argv)
+def show(s: Settings, follow_file: bool, lines: int | None, since: str, file: str | None) -> int:
+    """``./vllm-logs.sh``: the stats lines of the log file (``-f`` follows it) or of the container."""
     color = Palette(sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     counts = {"stats": 0, "unparsed": 0}
+    if follow_file or file:
+        path = Path(file or s.log or "")
+        if not file and not s.log:
+            raise BadInput(problem("LOG", "the log file's path for -f", "empty", "LOG=/var/log/vllm.log"))
+        if not path.is_file():
+            raise BadInput(problem(str(path), "the engine's log file", "no such file",
+                                   "point LOG or --file at the engine's log (is the server started?)"))
+        n = lines if lines is not None else 500
+        raw: Iterable[str | None] = follow(path, n) if follow_file else _tail(open(path, "rb"), n)
+    else:
+        raw = docker_lines(s.container, since)
     try:
-        if a.follow or a.file:
-            path = Path(a.file or s.log or "")
-            if not a.file and not s.log:
-                raise SystemExit2("LOG is empty: expected the log file's path for -f. Fix: LOG=/var/log/vllm.log")
-            if not path.is_file():
-                raise SystemExit2(f"{path}: expected the engine's log file, found no such file. "
-                                  "Fix: point LOG or --file at the engine's log (is the server started?)")
-            n = a.lines if a.lines is not None else 500
-            raw: Iterable[str | None] = follow(path, n) if a.follow else _tail(open(path, "rb"), n)
-        else:
-            raw = docker_lines(s.container, a.since)
         events = (parse(x) if x is not None else None for x in raw)
         for out in lines_of(events, color, counts):
             print(out, flush=True)
-    except SystemExit2 as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the usual end of -f
         pass
     if counts["unparsed"]:
         print(f"vllm-logs: {counts['unparsed']} stats line(s) could not be parsed", file=sys.stderr)
@@ -320,4 +307,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from rig import cli
+
+    raise SystemExit(cli.logs(sys.argv[1:]))

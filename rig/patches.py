@@ -7,7 +7,6 @@ and moves ``vllm/`` only after the rebuilt tree is proven to be the tree you com
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import re
@@ -300,23 +299,3 @@ def new(s: config.Settings, name: str) -> int:
         say(f"series.toml: [expected.{built.source}] tree = {built.tree} (was {old.tree if old else 'none'}), "
             f"verified {dt.date.today().isoformat()}")
     return 0
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="nox -s patches --", description="Series tooling: check the series, try it "
-                                "on another upstream version, export new commits from vllm/ as patches.")
-    sub = p.add_subparsers(dest="verb", required=True)
-    sub.add_parser("check", help="one line per patch: applies, files, compiled inputs, why")
-    rb = sub.add_parser("rebase", help="try the series on another upstream version, in scratch")
-    rb.add_argument("version", help="e.g. v0.31.0")
-    rb.add_argument("--keep-going", action="store_true", help="go on past a conflict to see the rest")
-    rb.add_argument("--out", type=Path, help="where the rebased series goes (default patches-vX.Y.Z/)")
-    nw = sub.add_parser("new", help="export the commits on top of the series in vllm/ as the next patches")
-    nw.add_argument("name", help="the patch name, NNNN-NAME.patch")
-    a = p.parse_args(argv)
-    s = config.settings()
-    if a.verb == "check":
-        return check(s)
-    if a.verb == "rebase":
-        return rebase(s, a.version, a.keep_going, a.out.resolve() if a.out else None)
-    return new(s, a.name)

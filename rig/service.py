@@ -10,7 +10,6 @@ only those files, keeps one the user has edited since, and is a no-op the second
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -171,35 +170,31 @@ def uninstall(t: Target) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="scripts/install-as-service.sh",
-                                description="Run the rig under systemd: the unit, its environment file, the "
-                                "logrotate policy.")
-    p.add_argument("verb", choices=("install", "start", "stop", "status", "update", "logs", "uninstall"))
-    p.add_argument("--root", help="write under this prefix instead of / (default: DESTDIR, else /)")
-    p.add_argument("-n", "--lines", type=int, default=200, help="logs: start from the last N lines")
-    a = p.parse_args(argv)
-    root = Path(a.root or os.environ.get("DESTDIR", "").strip() or "/").resolve()
-    s = config.settings()
-    t = Target(root, REPO_ROOT, s.log or TEMPLATE_LOG)
-    if a.verb == "install":
+VERBS = ("install", "start", "stop", "status", "update", "logs", "uninstall")
+
+
+def run(s: config.Settings, verb: str, root: str | None, lines: int) -> int:
+    """``scripts/install-as-service.sh VERB``; ``root``: a prefix instead of / (else DESTDIR, else /)."""
+    prefix = Path(root or os.environ.get("DESTDIR", "").strip() or "/").resolve()
+    t = Target(prefix, REPO_ROOT, s.log or TEMPLATE_LOG)
+    if verb == "install":
         return install(t)
-    if a.verb == "uninstall":
+    if verb == "uninstall":
         return uninstall(t)
-    if a.verb == "logs":
+    if verb == "logs":
         log = Path(t.log)
         if not log.exists():
             raise BadInput(problem("the engine log", f"a file at {log}", "no such file",
                                    "start the service first, or set LOG to where it writes"))
-        os.execvp("tail", ["tail", "-n", str(a.lines), "-F", str(log)])
-    if a.verb == "update":
+        os.execvp("tail", ["tail", "-n", str(lines), "-F", str(log)])
+    if verb == "update":
         _need_root(t, "update")
         _require_systemd(t, "service update")  # before a build that could take an hour
         r = subprocess.run([str(REPO_ROOT / "build.sh")])
         if r.returncode != 0:
             raise WorkFailed(f"./build.sh failed (exit {r.returncode}); the service was left as it runs")
         return _systemctl(t, "restart", "vllm.service")
-    if a.verb == "status":
+    if verb == "status":
         return _systemctl(t, "status", "--no-pager", "vllm.service", check=False)
-    _need_root(t, a.verb)
-    return _systemctl(t, a.verb, "vllm.service")
+    _need_root(t, verb)
+    return _systemctl(t, verb, "vllm.service")

@@ -192,7 +192,7 @@ def test_without_a_prefix_it_needs_root(monkeypatch, verb):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.delenv("DESTDIR", raising=False)
     with pytest.raises(BadInput) as e:
-        service.main([verb])
+        service.run(config.settings(), verb, None, 200)
     assert e.value.code == 2
     assert f"service {verb}: expected root" in e.value.message and "found uid 1000" in e.value.message
     assert f"sudo scripts/install-as-service.sh {verb}" in e.value.message
