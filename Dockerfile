@@ -78,6 +78,7 @@ RUN --mount=type=bind,from=ops,target=/ops \
     if [ -z "$(find /ops -mindepth 1 -maxdepth 1 -print -quit)" ]; then \
         echo "route 2: the ops context is empty, so ./build.sh makes the kernels"; exit 0; fi \
     && python3 -m rig.artifacts verify --artifacts /ops --dest "$VLLM_DIR" \
+        --device "$(python3 -m rig.container fact device)" \
         --ops-obj "$(python3 -m rig.container fact ops_obj)" --arch "$ARCH" \
         --python "$(python3 -m rig.container fact python)" --cuda "$(python3 -m rig.container fact cuda)" \
         --torch "$(python3 -m rig.container fact torch)" \

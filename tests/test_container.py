@@ -180,8 +180,8 @@ class Image:
     python: str
 
     def facts(self, **over: str) -> dict:
-        return {"ops_obj": self.tree["ops_obj"], "tree": self.tree["head"], "route": "compile", "arch": "8.6 9.0",
-                "python": self.python, "cuda": "13", "torch": "2.13.0", **over}
+        return {"device": "cuda", "ops_obj": self.tree["ops_obj"], "tree": self.tree["head"], "route": "compile",
+                "arch": "8.6 9.0", "python": self.python, "cuda": "13", "torch": "2.13.0", **over}
 
 
 @pytest.fixture
@@ -264,6 +264,14 @@ def test_run_line_stops_on_a_tarball_from_another_tree_naming_the_item(image, tm
     assert venvs.installed_vllm(image.env["VENV_DIR"], image.vllm)[0] is None
 
 
+def test_run_line_stops_on_cpu_kernels_naming_the_device(image, tmp_path):
+    art = pack(tmp_path, "artifacts", image.facts(device="cpu", cuda="none", arch="x86_64"))
+    r = run_verify_line(image, art)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "device: the target needs 'cuda', the tarball has 'cpu'" in r.stderr
+    assert installed_products(image) == []
+
+
 def test_run_line_stops_on_kernels_for_another_torch(image, tmp_path):
     art = pack(tmp_path, "artifacts", image.facts(torch="2.12.0"))
     r = run_verify_line(image, art)
@@ -290,13 +298,14 @@ def test_adopt_refuses_kernels_of_another_route(image, tmp_path):
 
 def test_facts_need_only_the_standard_library_and_match_the_rig(image):
     s = config.settings(image.env)
-    assert container.target(s) == of_build(s, record.load(s.state_dir)).as_dict()  # the one kernel target
+    assert container.target(s) == of_build(s, record.load(s.state_dir, s.device)).as_dict()  # the one kernel target
     # -S: no site-packages at all, as python3 of the image has none of the rig's dependencies
     r = subprocess.run([sys.executable, "-S", "-m", "rig.container", "target"], cwd=ROOT, env=image.env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert dict(line.split(": ", 1) for line in r.stdout.splitlines()) == {
-        "ops_obj": image.tree["ops_obj"], "arch": "8.6", "python": image.python, "cuda": "13", "torch": "2.13.0"}
+        "device": "cuda", "ops_obj": image.tree["ops_obj"], "arch": "8.6", "python": image.python, "cuda": "13",
+        "torch": "2.13.0"}
 
 
 def test_fact_without_a_build_record_names_what_to_run(tmp_path):

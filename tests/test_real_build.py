@@ -17,23 +17,6 @@ from conftest import ROOT, git
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def fresh(tmp_path_factory):
-    """The repository's files as a fresh clone has them (tracked and new), without any build output."""
-    dest = tmp_path_factory.mktemp("fresh") / "rig"
-    files = git(ROOT, "ls-files", "-co", "--exclude-standard", "-z").split("\0")
-    for rel in filter(None, files):
-        src = ROOT / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_DIR", "PATCHES_DIR", "RIG_STATE", "VENV_DIR", "RUNTIME_LOCK", "BUILD_LOG_DIR",
-                        "FETCH", "UV", "PYTHON", "UV_PYTHON", "CUDA_HOME", "OPS_ROUTE")}
-    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
-    return dest, r, env
-
-
 def test_build_sh_runs_all_eight_steps(fresh):
     dest, r, _ = fresh
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

@@ -51,7 +51,13 @@ def build_env(s: Settings, rec: BuildRecord, route: str, version: str, wheel: Pa
         env.update({"VLLM_USE_PRECOMPILED": "1", "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel)})
         return env
     if route == "none":
-        env["VLLM_TARGET_DEVICE"] = "empty"  # vLLM's setup.py then builds no extension
+        env["VLLM_TARGET_DEVICE"] = "empty"  # vLLM's setup.py then builds no extension...
+        # ...but setuptools-rust still builds the Rust frontend wherever a rustc is on PATH: hide it
+        env["PATH"] = os.pathsep.join(d for d in env["PATH"].split(os.pathsep) if d and not
+                                      os.access(os.path.join(d, "rustc"), os.X_OK))
+        return env
+    if s.device == "cpu":
+        env.update({"VLLM_TARGET_DEVICE": "cpu", "MAX_JOBS": str(s.max_jobs)})
         return env
     env.update({
         "MAX_JOBS": str(s.max_jobs), "NVCC_THREADS": str(s.nvcc_threads), "TORCH_CUDA_ARCH_LIST": s.arch,

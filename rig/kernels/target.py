@@ -8,6 +8,7 @@ Standard library only: the container build reads it before the rig's dependencie
 from __future__ import annotations
 
 import dataclasses
+import platform
 from dataclasses import dataclass
 
 from rig import venvs
@@ -21,8 +22,11 @@ FIRST = "./build.sh --only tools,tree,venv,runtime,toolchain"
 
 @dataclass(frozen=True)
 class Target:
-    """OPS_OBJ of the tree, the GPU architectures wanted, the venv's CPython minor, torch's CUDA major, torch."""
+    """The device, OPS_OBJ of the tree, the architectures wanted, the venv's CPython minor, torch's CUDA major
+    (``none`` for the CPU kernels), torch. The device comes first: a tarball for the other device is refused
+    naming it."""
 
+    device: str
     ops_obj: str
     arch: str
     python: str
@@ -40,14 +44,16 @@ def _missing(item: str) -> BadInput:
 def of_build(s: Settings, rec: BuildRecord) -> Target:
     """The target of this tree (the build record) and venv, for ``ARCH``."""
     if rec.tree is None or not rec.tree.ops_obj:
-        raise _missing(f"{path(s.state_dir)}: the tree step's ops_obj")
+        raise _missing(f"{path(s.state_dir, s.device)}: the tree step's ops_obj")
     if rec.toolchain is None or not rec.toolchain.torch_cuda:
-        raise _missing(f"{path(s.state_dir)}: the toolchain step's torch_cuda")
+        raise _missing(f"{path(s.state_dir, s.device)}: the toolchain step's torch_cuda")
     minor = venvs.minor(s.venv_dir)
     if minor is None:
         raise BadInput(problem(f"the venv {s.venv_dir}", "a venv with pyvenv.cfg", "none", f"run {FIRST} first"))
     torch = venvs.installed(s.venv_dir).get("torch")
     if torch is None:
         raise BadInput(problem(f"torch in {s.venv_dir}", "installed", "none", f"run {FIRST} first"))
-    return Target(ops_obj=rec.tree.ops_obj, arch=s.arch, python=f"{minor[0]}.{minor[1]}",
-                  cuda=rec.toolchain.torch_cuda.split(".")[0], torch=torch)
+    cpu = s.device == "cpu"
+    return Target(device=s.device, ops_obj=rec.tree.ops_obj, arch=platform.machine() if cpu else s.arch,
+                  python=f"{minor[0]}.{minor[1]}", cuda="none" if cpu else rec.toolchain.torch_cuda.split(".")[0],
+                  torch=torch)

@@ -11,6 +11,7 @@ extensions that need it.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -67,8 +68,37 @@ def link_check(s: Settings, rec: products.Record) -> list[str]:
     return problems
 
 
+#: The CPU build's import check: vLLM picks its CPU platform and loads the kernels it picks for this CPU.
+CPU_CHECK = (
+    "import torch\n"
+    "from vllm.platforms import current_platform as p\n"
+    "assert p.is_cpu(), f'vLLM chose the {type(p).__name__} platform, not the CPU'\n"
+    "p.import_kernels()\n"
+    "import vllm._C\n"
+    "print(p.device_type, sum(n.startswith('_C::') for n in torch._C._dispatch_get_all_op_names()))\n"
+)
+
+
+def cpu_import_check(s: Settings) -> str:
+    """The full import on the CPU: ``vllm._C`` loads its ops, the platform is the CPU, ``vllm serve --help`` runs."""
+    py, env = str(venvs.python(s.venv_dir)), {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    r = subprocess.run([py, "-c", CPU_CHECK], capture_output=True, text=True, env=env, cwd="/")
+    if r.returncode != 0:
+        raise WorkFailed(f"import check on the CPU failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}. "
+                         "Fix: ./build.sh --force (the CPU kernels may be for another torch)")
+    device, ops = r.stdout.split()[-2:]
+    h = subprocess.run([str(s.venv_dir / "bin" / "vllm"), "serve", "--help=ModelConfig"], capture_output=True,
+                       text=True, env=env, cwd="/")
+    if h.returncode != 0 or "--max-model-len" not in h.stdout:
+        raise WorkFailed(f"`vllm serve --help=ModelConfig` failed or lacks --max-model-len (exit {h.returncode}): "
+                         f"{(h.stderr.strip().splitlines() or ['no output'])[-1]}. Fix: ./build.sh --force")
+    return f"import check: vllm._C loads {ops} ops, the platform is {device}, `vllm serve --help=ModelConfig` runs"
+
+
 def import_check(s: Settings, rec: products.Record) -> str:
-    """Full imports with a driver, else the link layer; the line that says which."""
+    """Full imports with a driver (or for the CPU build), else the link layer; the line that says which."""
+    if s.device == "cpu":
+        return cpu_import_check(s)
     if driver_loadable():
         mods = sorted(rel[:-3].split(".")[0].replace("/", ".") for rel in rec.files
                       if rel.endswith(".so") and "/" in rel)
@@ -113,10 +143,8 @@ class InstallStep(Step):
         version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
         if wrong or version != ops.version:
             say(f"reinstalling: {wrong or f'vllm {version} installed, the tree is {ops.version}'}")
-            wheel = None
-            if rec.facts["route"] == "precompiled":
-                wheel, _ = route.official_wheel(s, ctx.series, rec.facts.get("wheel_sha256"))
-            pip.install(s, ctx.record, rec.facts["route"], ops.version, wheel, "reinstall")
+            how, wheel = route.prepare(s, ctx.series, rec.facts["route"], dict(rec.facts))
+            pip.install(s, ctx.record, how, ops.version, wheel, "reinstall")
             # the reinstall wrote the kernels again for the same inputs: record them, or ops would redo its work
             rec = products.collect(s.vllm_dir, rec.facts)
             products.write(s.vllm_dir, rec)

@@ -55,17 +55,15 @@ class OpsStep(Step):
         facts, way, why = route.facts(s, ctx.record, ctx.series)
         say(f"route: {way} ({why})")
         products.forget(s.vllm_dir)
-        wheel = None
-        if way == "precompiled":
-            wheel, facts["wheel_sha256"] = route.official_wheel(s, ctx.series)
-        else:
+        if way == "compile":
             if not (ctx.record.tools and ctx.record.tools.cargo):
                 say("no cargo 1.95: the Rust frontend is not built; vLLM uses its Python tool parsers")
             _clear_precompiled(s.vllm_dir)
             if ctx.options.force:
                 _clear_build_dir(s.vllm_dir)
-        log = pip.install(s, ctx.record, way, facts["version"], wheel,
-                          "precompiled copy" if way == "precompiled" else "compile")
+        how, wheel = route.prepare(s, ctx.series, way, facts)
+        log = pip.install(s, ctx.record, how, facts["version"], wheel,
+                          "compile" if way == "compile" else "precompiled copy" if wheel else "install")
         facts["log"] = log.name
         rec = products.collect(s.vllm_dir, facts)
         if not rec.files:

@@ -68,7 +68,7 @@ class Context:
 
     @functools.cached_property
     def patches(self) -> list[Path]:
-        return series.patch_files(self.settings.patches_dir)
+        return series.patch_files(self.series.patches_dir)  # series.toml first: a missing folder says so
 
     @functools.cached_property
     def uv(self) -> str | None:
@@ -97,7 +97,7 @@ class Step:
 
 def context(s: Settings, options: Options | None = None) -> Context:
     """The context of one run: the build record read once."""
-    return Context(s, options or Options(), record.load(s.state_dir))
+    return Context(s, options or Options(), record.load(s.state_dir, s.device))
 
 
 class BuildLock:
@@ -197,7 +197,7 @@ def first_stale(steps: Sequence[Step], s: Settings, upto: str = "install") -> tu
     """(step, reason) of the first step up to ``upto`` whose output is not current, or None: what start asks."""
     ctx = context(s)
     if ctx.record.tools is None:
-        return "tools", f"no build record at {record.path(s.state_dir)} (a first run)"
+        return "tools", f"no build record at {record.path(s.state_dir, s.device)} (a first run)"
     for st in steps:
         status = st.check(ctx)
         if not status.current:
@@ -211,4 +211,4 @@ def first_stale(steps: Sequence[Step], s: Settings, upto: str = "install") -> tu
 def _keep(ctx: Context, name: str, outputs: object) -> None:
     """A step's outputs into the record, written at once when they changed."""
     if outputs is not None and ctx.record.put(name, outputs):
-        record.save(ctx.settings.state_dir, ctx.record)
+        record.save(ctx.settings.state_dir, ctx.record, ctx.settings.device)

@@ -22,6 +22,7 @@ from rig.hashing import sha256_file
 from rig.steps.pipeline import Context, Status, Step
 
 SYSTEM_CUDA = Path("/usr/local/cuda")
+CPU_NOTHING = "DEVICE=cpu: nothing to do here (no CUDA toolkit, no driver stub: the CPU kernels need neither)"
 
 
 @dataclass
@@ -134,8 +135,12 @@ class ToolchainStep(Step):
 
     def check(self, ctx: Context) -> Status:
         s = ctx.settings
-        tc = self._torch_cuda(s)
         rec = ctx.record.toolchain
+        if s.device == "cpu":
+            if rec is None or rec.torch_cuda != (venvs.torch_cuda(s.venv_dir) or ""):
+                return Status(False, "not looked at yet for DEVICE=cpu")
+            return Status(True, CPU_NOTHING, rec)
+        tc = self._torch_cuda(s)
         if rec is None:
             return Status(False, "not set up yet")
         nvcc = first_nvcc(s, int(tc.split(".")[0]))
@@ -151,6 +156,8 @@ class ToolchainStep(Step):
         return Status(True, f"CUDA {rec.nvcc_version} matches torch's CUDA {tc}", rec)
 
     def describe(self, ctx: Context, outputs: record.Toolchain) -> list[str]:
+        if ctx.settings.device == "cpu":
+            return []
         return [f"CUDA toolkit: {outputs.cuda_home}, nvcc {outputs.nvcc_version}; torch built for CUDA "
                 f"{outputs.torch_cuda}",
                 "NVIDIA driver: libcuda.so.1 loads" if outputs.driver else
@@ -158,6 +165,9 @@ class ToolchainStep(Step):
 
     def run(self, ctx: Context) -> record.Toolchain:
         s = ctx.settings
+        if s.device == "cpu":
+            say(CPU_NOTHING)
+            return record.Toolchain(torch_cuda=venvs.torch_cuda(s.venv_dir) or "")
         tc = self._torch_cuda(s)
         tk, driver = find_toolkit(s, int(tc.split(".")[0])), driver_loadable()
         say(f"CUDA toolkit: {tk.root} ({tk.how})")

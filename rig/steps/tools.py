@@ -111,12 +111,32 @@ def fingerprint(s: Settings, uv: str | None) -> str:
     return "|".join(stamps)
 
 
+#: Where the CPU's flags are read (a test points it at a recorded one).
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_problem(cpuinfo: str) -> str | None:
+    """Why this CPU cannot run vLLM's CPU kernels (they need AVX2 at least), or None."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    if "avx2" in flags:
+        return None
+    return problem("the CPU (DEVICE=cpu)", "the avx2 flag in /proc/cpuinfo (vLLM's CPU kernels need AVX2 at "
+                   "least; AVX512 is used where present)", f"{len(flags)} flags without avx2",
+                   "build for the CPU on an x86-64 machine with AVX2, or use DEVICE=cuda")
+
+
+def check_cpu(s: Settings) -> None:
+    if s.device == "cpu" and (why := cpu_problem(CPUINFO.read_text() if CPUINFO.exists() else "")):
+        raise BadInput(why)
+
+
 class ToolsStep(Step):
     name = "tools"
     summary = "cmake >= 3.26, ninja, cc/c++, git, uv, ccache, cargo 1.95 (optional)"
     facts = ("cmake", "ninja", "ccache_dir")
 
     def check(self, ctx: Context) -> Status:
+        check_cpu(ctx.settings)
         rec = ctx.record.tools
         if rec is None:
             return Status(False, "not looked for yet")
@@ -132,6 +152,7 @@ class ToolsStep(Step):
 
     def run(self, ctx: Context) -> record.Tools:
         s = ctx.settings
+        check_cpu(s)
         found = detect(s, ctx.uv)
         for n, fix in REQUIRED.items():
             if found[n].path is None:

