@@ -6,13 +6,11 @@ route): no GPU, no compiler. Downloads are cached (uv's cache and ~/.cache/vllm-
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, git
+from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
