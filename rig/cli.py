@@ -220,12 +220,12 @@ def patches(argv: Sequence[str]) -> int:
     a = p.parse_args(argv)
 
     def go() -> int:
-        s = config.settings()
+        ctx = pipeline.context(config.settings())
         if a.verb == "check":
-            return tool.check(s)
+            return tool.check(ctx)
         if a.verb == "rebase":
-            return tool.rebase(s, a.version, a.keep_going, a.out.resolve() if a.out else None)
-        return tool.new(s, a.name)
+            return tool.rebase(ctx, a.version, a.keep_going, a.out.resolve() if a.out else None)
+        return tool.new(ctx, a.name)
 
     return _guard(go)
 
@@ -244,11 +244,10 @@ def lock(argv: Sequence[str]) -> int:
     p.parse_args(argv)
 
     def go() -> int:
-        from rig import series, uv
         from rig.steps import runtime
 
-        s = config.settings()
-        runtime.lock_main(s, uv.resolve(s), series.load(s.patches_dir).version)
+        ctx = pipeline.context(config.settings())
+        runtime.lock_main(ctx.settings, ctx.uv, ctx.series.version)
         return 0
 
     return _guard(go)

@@ -34,14 +34,16 @@ def target(s: config.Settings) -> dict[str, str]:
 
 def adopt(s: config.Settings, artifacts_dir: Path) -> int:
     """Record the verified kernels as the ops step's products and install vllm without compiling."""
-    from rig import artifacts, products, record, series, venvs
+    from rig import artifacts, products, venvs
     from rig.kernels import pip, route
+    from rig.steps import pipeline
 
     manifest = artifacts.read_manifest(artifacts_dir / artifacts.MANIFEST)
     listed = artifacts.read_sums(artifacts_dir / artifacts.SUMS)
-    rec = record.load(s.state_dir, s.device)
+    ctx = pipeline.context(s)
+    rec = ctx.record
     # The facts the ops step itself compares, so that it finds these kernels current.
-    facts, way, why = route.facts(s, rec, series.load(s.patches_dir))
+    facts, way, why = route.facts(s, rec, ctx.series)
     if manifest["route"] != way:
         raise BadInput(problem(f"{artifacts_dir / artifacts.MANIFEST}: route", f"{way!r} ({why})",
                                repr(manifest["route"]), f"build the image with --build-arg "

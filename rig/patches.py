@@ -22,7 +22,7 @@ from rig.console import INDENT, say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
 from rig.kernels import route
-from rig.steps.pipeline import BuildLock
+from rig.steps.pipeline import BuildLock, Context
 
 #: A commit message "says why" when its body has at least this many words.
 WHY_WORDS = 8
@@ -130,10 +130,9 @@ def _scratch_base(s: config.Settings, sr: series.Series, where: Path) -> worktre
     return worktree.fresh_base(s, sr, where, accept=True)  # inspected, not compared
 
 
-def check(s: config.Settings) -> int:
+def check(ctx: Context) -> int:
     """``nox -s patches -- check``: one line per patch on the current base; exit 1 if one fails."""
-    sr = series.load(s.patches_dir)
-    files = series.patch_files(s.patches_dir)
+    s, sr, files = ctx.settings, ctx.series, ctx.patches
     scratch = Path(tempfile.mkdtemp(prefix=".rig-check-", dir=s.vllm_dir.parent)) / "wt"
     built = _scratch_base(s, sr, scratch)
     try:
@@ -170,15 +169,14 @@ def _markdown(reports: list[PatchReport], frm: str, to: str, out: Path | None) -
     return "\n".join(lines) + "\n"
 
 
-def rebase(s: config.Settings, version: str, keep_going: bool, out: Path | None) -> int:
+def rebase(ctx: Context, version: str, keep_going: bool, out: Path | None) -> int:
     """``nox -s patches -- rebase vX.Y.Z``: the series on another upstream version, in scratch."""
     m = VERSION.match(version)
     if not m:
         raise BadInput(problem("rebase VERSION", "an upstream version like v0.31.0", repr(version),
                                "nox -s patches -- rebase v0.31.0"))
     ver = m[1]
-    sr = series.load(s.patches_dir)
-    files = series.patch_files(s.patches_dir)
+    s, sr, files = ctx.settings, ctx.series, ctx.patches
     target = dataclasses.replace(sr, version=ver, tag=f"v{ver}", sdist_sha256=None, expected={})
     out = out or s.root / f"patches-v{ver}"
     if out.exists() and any(out.iterdir()):
@@ -237,14 +235,14 @@ def _next_number(files: list[Path]) -> int:
     return max((int(p.name[:4]) for p in files), default=0) + 1
 
 
-def new(s: config.Settings, name: str) -> int:
+def new(ctx: Context, name: str) -> int:
     """``nox -s patches -- new NAME``: the commits on top of the series in vllm/, as the next patches."""
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$", name):
         raise BadInput(problem("new NAME", "a short name of letters, digits, '.', '_', '+', '-'", repr(name),
                                "nox -s patches -- new log-model-names"))
+    s = ctx.settings
     with BuildLock(s, "patches new"):
-        sr = series.load(s.patches_dir)
-        files = series.patch_files(s.patches_dir)
+        sr, files = ctx.series, ctx.patches
         rec = worktree.read_record(s.vllm_dir) if s.vllm_dir.exists() else None
         if rec is None:
             raise BadInput(problem(f"{s.vllm_dir}", "a tree the rig built (with its record)", "none",
