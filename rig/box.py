@@ -1,7 +1,8 @@
 """Test the box: GPUs, driver, RAM, /dev/shm, disk, port, checkpoint and its KV scales.
 
 GPU facts come from NVML (nvidia-ml-py), never from parsing nvidia-smi; memory from psutil.
-The requirements are one profile (``rig.config.REFERENCE_BOX``). Each check is one line:
+The requirements come from the model profile's ``[box]`` (rig/profiles.py); a CPU build is
+checked for RAM, cores and CPU flags instead of cards. Each check is one line:
 what, expected, found, and the fix when it fails. ``nox -s doctor`` prints them all with the
 PCIe link, power limit and P2P status of every card: what a bug report wants.
 """
@@ -15,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rig.config import REFERENCE_BOX, BoxProfile, Settings
+from rig.config import Settings
+from rig.profiles import Box, Profile
 
 P2P_STATUS = {0: "ok", 1: "chipset not supported", 2: "GPU not supported", 3: "IOH topology not supported",
               4: "disabled by regkey", 5: "not supported", 6: "unknown"}
-SCALES_NAMES = ("qsa_kv_scales.json", "qsa_kv_scales_swift.json")
 
 
 @dataclass
@@ -129,8 +130,7 @@ def visible(reading: Reading, spec: str) -> list[Gpu]:
     return [by_pos[i] for i in want if i in by_pos]
 
 
-def gpu_checks(reading: Reading | None, s: Settings, profile: BoxProfile = REFERENCE_BOX,
-               why: str = "") -> list[Check]:
+def gpu_checks(reading: Reading | None, s: Settings, profile: Box, why: str = "") -> list[Check]:
     if reading is None:
         return [Check("NVIDIA driver", "fail", "NVML (the driver's libnvidia-ml.so.1)", f"none ({why})",
                       "install the NVIDIA driver, or run on the GPU host")]
@@ -157,13 +157,27 @@ def gpu_checks(reading: Reading | None, s: Settings, profile: BoxProfile = REFER
     return out
 
 
-def host_checks(s: Settings, profile: BoxProfile = REFERENCE_BOX) -> list[Check]:
+def host_checks(s: Settings, p: Profile) -> list[Check]:
+    import os
+
     import psutil
 
+    profile = p.box
     out = []
+    if profile.cores:
+        cores = os.cpu_count() or 0
+        out.append(Check("CPU cores", "pass" if cores >= profile.cores else "fail", f">= {profile.cores}",
+                         str(cores), f"run {p.name} on a box with more cores"))
+    if profile.cpu_flags:
+        from rig.steps.tools import CPUINFO
+        text = CPUINFO.read_text() if CPUINFO.exists() else ""
+        flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+        lacking = [f for f in profile.cpu_flags if f not in flags]
+        out.append(Check("CPU flags", "fail" if lacking else "pass", " ".join(profile.cpu_flags),
+                         f"missing {' '.join(lacking)}" if lacking else "present", "use an x86-64 CPU with AVX2"))
     ram = psutil.virtual_memory().total / 2**30
     out.append(Check("RAM", "pass" if ram >= profile.ram_gib else "fail", f">= {profile.ram_gib:.0f} GiB",
-                     f"{ram:.1f} GiB", "the PLE table needs 69 GiB of host RAM: add memory"))
+                     f"{ram:.1f} GiB", f"add memory (the {p.name} profile's [box] ram_gib)"))
     try:
         shm = shutil.disk_usage("/dev/shm").total / 1e9
     except FileNotFoundError:
@@ -174,7 +188,7 @@ def host_checks(s: Settings, profile: BoxProfile = REFERENCE_BOX) -> list[Check]
     out.append(Check("disk", "pass" if free >= profile.disk_gb else "warn", f">= {profile.disk_gb:.0f} GB free",
                      f"{free:.0f} GB free at {s.root}", "free disk space for the build"))
     out.append(port_check(s))
-    out += model_checks(s)
+    out += model_checks(s, p)
     return out
 
 
@@ -189,7 +203,7 @@ def port_check(s: Settings) -> Check:
                          "stop what listens there, or set PORT")
 
 
-def model_checks(s: Settings) -> list[Check]:
+def model_checks(s: Settings, p: Profile) -> list[Check]:
     ckpt = s.ckpt
     if not ckpt.is_dir():
         return [Check("checkpoint", "fail", f"a folder at CKPT={ckpt}", "no such folder",
@@ -198,15 +212,18 @@ def model_checks(s: Settings) -> list[Check]:
         return [Check("checkpoint", "fail", f"{ckpt}/config.json", "no config.json",
                       "point CKPT at the checkpoint folder itself")]
     out = [Check("checkpoint", "pass", "a folder with config.json", str(ckpt))]
+    if not p.scales and not s.scales:
+        return out  # the profile's KV cache needs no scales sidecar
     if s.scales:
         ok = s.scales.is_file()
         out.append(Check("KV scales", "pass" if ok else "fail", f"the FP8 KV scales at SCALES={s.scales}",
                          "present" if ok else "no such file", "set SCALES to this checkpoint's sidecar"))
         return out
-    new, old = (ckpt / n for n in SCALES_NAMES)
+    new, *olds = (ckpt / n for n in p.scales)
+    old = next((o for o in olds if o.is_file()), None)
     if new.is_file():
         out.append(Check("KV scales", "pass", f"{new.name} in the checkpoint", str(new)))
-    elif old.is_file():
+    elif old is not None:
         out.append(Check("KV scales", "warn", f"{new.name} in the checkpoint", f"the older name {old.name}",
                          f"it is used; rename it to {new.name} to silence this"))
     else:
@@ -216,24 +233,24 @@ def model_checks(s: Settings) -> list[Check]:
     return out
 
 
-def scales_path(s: Settings) -> Path | None:
-    """The FP8 KV scales sidecar the engine gets: SCALES, else the checkpoint's (new name, then the old one)."""
+def scales_path(s: Settings, p: Profile) -> Path | None:
+    """The FP8 KV scales sidecar the engine gets: SCALES, else the checkpoint's (new name, then older ones)."""
     if s.scales:
         return s.scales
-    return next((s.ckpt / n for n in SCALES_NAMES if (s.ckpt / n).is_file()), None)
+    return next((s.ckpt / n for n in p.scales if (s.ckpt / n).is_file()), None)
 
 
-def start_checks(s: Settings, profile: BoxProfile | None = None,
+def start_checks(s: Settings, p: Profile,
                  reader: Callable[[], Reading] | None = None) -> tuple[Reading | None, list[Check]]:
-    """What start needs of the box: the NVML reading (None without a driver) and every check."""
-    from rig import config
-
-    profile = profile or config.REFERENCE_BOX
+    """What start needs of the box: the NVML reading (None without a driver, or for the CPU build) and every
+    check of the profile's box."""
+    if s.device == "cpu":
+        return None, host_checks(s, p)
     try:
         reading, why = (reader or read_nvml)(), ""
     except NoDriver as exc:
         reading, why = None, str(exc)
-    return reading, gpu_checks(reading, s, profile, why) + host_checks(s, profile)
+    return reading, gpu_checks(reading, s, p.box, why) + host_checks(s, p)
 
 
 def report(reading: Reading | None) -> list[str]:
@@ -253,19 +270,17 @@ def report(reading: Reading | None) -> list[str]:
     return lines
 
 
-def doctor(s: Settings) -> list[str]:
+def doctor(s: Settings, p: Profile) -> list[str]:
     """Every check and fact as lines; a box with no driver says so in one line and reports the rest."""
-    try:
-        reading, why = read_nvml(), ""
-    except NoDriver as exc:
-        reading, why = None, str(exc)
-    out = []
-    if reading is None:
-        out.append(f"no NVIDIA driver here: NVML could not be loaded ({why}); the GPU checks are skipped")
-        checks = host_checks(s)
-    else:
-        out += report(reading)
-        checks = gpu_checks(reading, s) + host_checks(s)
+    out = [f"profile {p.name} ({p.path}): {p.description}; the {s.device} build"]
+    reading = None
+    if s.device != "cpu":
+        try:
+            reading = read_nvml()
+            out += report(reading)
+        except NoDriver as exc:
+            out.append(f"no NVIDIA driver here: NVML could not be loaded ({exc}); the GPU checks are skipped")
+    checks = (gpu_checks(reading, s, p.box) if reading is not None else []) + host_checks(s, p)
     out += [c.line() for c in checks]
     fails = sum(c.status == "fail" for c in checks)
     out.append(f"{len(checks)} checks: {fails} failed, {sum(c.status == 'warn' for c in checks)} warned")

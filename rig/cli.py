@@ -117,9 +117,10 @@ def doctor(argv: Sequence[str]) -> int:
                             "and the facts of every card.").parse_args(argv)
 
     def go() -> int:
-        from rig import box
+        from rig import box, profiles
 
-        print("\n".join(box.doctor(config.settings())))
+        s = config.settings()
+        print("\n".join(box.doctor(s, profiles.load(s.profile))))
         return 0
 
     return _guard(go)
@@ -144,6 +145,9 @@ def start(argv: Sequence[str]) -> int:
     p.add_argument("--no-build", action="store_true", help="serve what is built without checking the build")
     p.add_argument("--skip-box-check", action="store_true",
                    help="start on a box unlike the reference one (the engine fails on its own if it cannot run)")
+    p.add_argument("--demo", action="store_true",
+                   help="serve the demo model (PROFILE=demo): the CPU build unless the CUDA one is current on a GPU "
+                   "box; the tiny checkpoint is made on the box when missing")
     p.add_argument("--clear-cache", action="store_true",
                    help="empty CACHE_ROOT first (compile caches a crash left corrupt or locked)")
     a = p.parse_args(argv)
@@ -157,7 +161,7 @@ def start(argv: Sequence[str]) -> int:
         if a.ckpt:
             env["CKPT"] = a.ckpt
         return serve.start(env, foreground=a.foreground, dry_run=a.dry_run, build=not a.no_build,
-                           box_check=not a.skip_box_check, clear_cache=a.clear_cache)
+                           box_check=not a.skip_box_check, clear_cache=a.clear_cache, demo_model=a.demo)
 
     return _guard(go)
 

@@ -20,9 +20,6 @@ from typing import Any
 from rig import REPO_ROOT
 from rig.errors import BadInput, problem
 
-#: The served name of each path when MODEL_NAME is unset: start.sh's, and the container's and service's.
-START_MODEL_NAME = "qwen38-flash-next"
-SERVICE_MODEL_NAME = "Hinata"
 SOURCES = ("auto", "git", "sdist")
 ROUTES = ("auto", "precompiled", "compile")
 GUARDS = ("warn", "off", "raise")
@@ -159,11 +156,27 @@ def python(v: Var, env: Mapping[str, str], root: Path) -> str | None:
     return _raw(v, env) or env.get("UV_PYTHON", "").strip() or None
 
 
+def _profile(env: Mapping[str, str]):  # noqa: ANN202 - rig.profiles.Profile, imported late (it reads files)
+    from rig import profiles
+
+    return profiles.load(env.get("PROFILE", "").strip() or profiles.DEFAULT)
+
+
 def names(v: Var, env: Mapping[str, str], root: Path) -> tuple[str, ...]:
-    got = tuple((env.get(v.name, "") or START_MODEL_NAME).split())
+    """MODEL_NAME, else the profile's served name (start.sh's; compose and systemd set their own)."""
+    raw = env.get(v.name, "")
+    got = tuple((raw or _profile(env).served_name).split())
     if not got:
-        raise BadInput(problem(v.name, "one or more names", "only spaces", f"set {v.name}={START_MODEL_NAME}"))
+        raise BadInput(problem(v.name, "one or more names", "only spaces", f"unset {v.name} for the profile's"))
     return got
+
+
+def checkpoint(v: Var, env: Mapping[str, str], root: Path) -> Path:
+    """CKPT, else the profile's checkpoint ({RIG_CACHE} is the rig's download cache)."""
+    if env.get(v.name, "").strip():
+        return path(v, env, root)
+    cache = next(c for c in VARS if c.name == "RIG_CACHE")
+    return _profile(env).checkpoint_path(path(cache, env, root))
 
 
 VARS: tuple[Var, ...] = (
@@ -221,8 +234,11 @@ VARS: tuple[Var, ...] = (
         "log"),
     Var("VLLM_CONTAINER", "vllm", "The container `./vllm-logs.sh` reads with `docker logs` when not given `-f`.", text,
         "container"),
-    Var("CKPT", "/data/models/halt95/Swift1.5-Qwen3.8-Flash-Next-W4A16-Merlin",
-        "The checkpoint folder on the host (with its `config.json`).", path, "ckpt", service=True),
+    Var("PROFILE", "reference", "The model profile, `models/<PROFILE>.toml`: everything model-specific (checkpoint, "
+        "names, engine flags, health request, the box it needs). `demo` is the tiny model the rig makes.", text,
+        "profile", service=True),
+    Var("CKPT", "the profile's `checkpoint`", "The checkpoint folder on the host (with its `config.json`).",
+        checkpoint, "ckpt", derived=True, service=True),
     Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint.", path, "scales",
         derived=True, service=True),
     Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface.", text, "host",
@@ -231,7 +247,7 @@ VARS: tuple[Var, ...] = (
     Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order.", text, "visible", service=True),
     Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI, "
         "the engine's pid file.", path, "state_dir", service=True),
-    Var("MODEL_NAME", "`qwen38-flash-next` (`start.sh`), `Hinata` (compose, systemd)",
+    Var("MODEL_NAME", "the profile's `served_name` (`start.sh`), `service_name` (compose, systemd)",
         "The served model name (a request's `model`); spaces make aliases.", names, "names", "serve", derived=True,
         service=True),
     Var("VLLM_API_KEY", "empty", "The API key; empty: no authentication. Reaches vLLM through its environment, "
@@ -320,6 +336,7 @@ class Settings:
     cuda_home: Path | None
     artifacts_dir: Path
     log: str  # "" keeps the output on the terminal
+    profile: str
     ckpt: Path
     scales: Path | None  # None: $CKPT/qsa_kv_scales.json (or the older name)
     host: str
@@ -378,21 +395,6 @@ def bench_settings(env: Mapping[str, str] | None = None, root: Path | None = Non
     host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(s.host, s.host)
     return Bench(base_url=b.base_url or f"http://{host}:{s.port}/v1",
                  model=b.model or serve_settings(env, root).names[0], tokenizer=b.tokenizer or s.ckpt)
-
-
-@dataclass(frozen=True)
-class BoxProfile:
-    """What the reference box needs: four free 24 GB cards of one model, and room around them."""
-
-    gpus: int = 4
-    gpu_memory_gb: float = 24.0
-    cuda: tuple[int, int] = (13, 0)
-    ram_gib: float = 96.0  # the PLE table alone takes 69 GiB of host RAM
-    shm_gb: float = 1.0
-    disk_gb: float = 30.0  # for the build
-
-
-REFERENCE_BOX = BoxProfile()
 
 
 def markdown_table() -> str:

@@ -17,12 +17,9 @@ from pathlib import Path
 
 from rig.config import Serve, Settings
 from rig.errors import BadInput, problem
+from rig.profiles import Profile
 from rig.topology import Topology, engine_args
 
-#: The context length of the reference model, in tokens.
-MAX_MODEL_LEN = 262_144
-#: MTP speculative decoding: K draft tokens per step.
-MTP_K = 3
 #: Variables the series defines; the rig checks their shape and passes them on unchanged.
 SERIES_VARS = ("PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS", "SCALES")
 SECRET = "VLLM_API_KEY"
@@ -82,33 +79,43 @@ def clear_cache(root: Path) -> list[str]:
     return removed
 
 
-def command(s: Settings, v: Serve, t: Topology, scales: Path | None) -> Engine:
-    """The ``vllm serve`` argv and the environment the rig adds for it."""
+def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile) -> Engine:
+    """The ``vllm serve`` argv and the environment the rig adds for it, from the profile and the settings."""
     argv = [str(s.venv_dir / "bin" / "vllm"), "serve", str(s.ckpt),
             "--served-model-name", *v.names,
             "--host", s.host, "--port", str(s.port),
             *engine_args(t),
-            "--kv-cache-dtype", "fp8",
-            "--max-model-len", str(MAX_MODEL_LEN),
+            "--kv-cache-dtype", p.kv_cache_dtype,
+            "--max-model-len", str(p.max_model_len),
             "--max-num-seqs", str(v.max_seqs),
-            "--max-num-batched-tokens", str(v.max_batched_tokens),
-            "--block-size", str(v.max_batched_tokens),
-            "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": MTP_K}),
-            # Each decode step of a request carries 1 + K tokens: graphs up to MAX_SEQS x (1 + K) cover them all.
-            "--compilation-config", json.dumps({"max_cudagraph_capture_size": v.max_seqs * (1 + MTP_K)})]
+            "--max-num-batched-tokens", str(v.max_batched_tokens)]
+    if p.block_size == "max_batched_tokens":
+        argv += ["--block-size", str(v.max_batched_tokens)]
+    if p.speculative:
+        argv += ["--speculative-config", json.dumps(p.speculative)]
+    if p.cudagraph_tokens_per_seq:
+        # Each decode step of a request carries 1 + K tokens: graphs up to MAX_SEQS x (1 + K) cover them all.
+        argv += ["--compilation-config",
+                 json.dumps({"max_cudagraph_capture_size": v.max_seqs * p.cudagraph_tokens_per_seq})]
+    if p.memory_utilization:
+        argv += ["--gpu-memory-utilization", str(p.memory_utilization)]
+    argv += list(p.extra_args)
     env = {
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_VISIBLE_DEVICES": ",".join(map(str, t.order)),
         "VLLM_LOG_STATS_INTERVAL": v.stats_interval,
         "PYTHONUNBUFFERED": "1",  # log lines reach the file as they happen, not at exit
         **cache_env(v.cache_root),
         **t.env,
+        **p.env,
         "PLE_HOME": str(v.ple_home),
         "QWEN38_ABLITERATION": v.abliteration,
         "ABLITERATION_DIR": str(v.abliteration_dir),
         "GUARD": v.guard,
         "COUNTERS": "1" if v.counters else "0",
     }
+    if s.device == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"  # the version says so too; the variable makes it certain
+    else:
+        env.update({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, t.order))})
     if scales is not None:
         env["SCALES"] = str(scales)
     if v.api_key:

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from rig import box, config, engine, supervise, topology
+from rig import box, config, demo, engine, profiles, supervise, topology
 from rig.console import INDENT, say, warn
 from rig.errors import BadInput, problem
 from rig.steps import pipeline
@@ -40,11 +40,44 @@ def _cards(s: config.Settings, reading: box.Reading | None) -> tuple[list[int], 
     return want or [0], {}  # no reading: assume no P2P, the safe switches
 
 
+def _demo_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``--demo``: the demo profile, on the CUDA build when it is current on a box with a driver, else the CPU's."""
+    env = {**env, "PROFILE": "demo"}
+    if not env.get("DEVICE", "").strip():
+        cuda = config.settings({**env, "DEVICE": "cuda"})
+        try:
+            box.read_nvml()
+            current = pipeline.first_stale(steps(), cuda) is None
+        except box.NoDriver:
+            current = False
+        env["DEVICE"] = "cuda" if current else "cpu"
+        say("demo: the CUDA build is current on this GPU box: serving with it" if current else
+            "demo: serving with the CPU build (DEVICE=cpu; ./build.sh makes it when needed)")
+    return env
+
+
+def _demo_model(s: config.Settings, env: Mapping[str, str], dry_run: bool) -> None:
+    """The demo checkpoint, made on the box when it is missing (only the profile's own folder: never a CKPT)."""
+    if env.get("CKPT", "").strip():
+        return
+    if demo.ready(s.ckpt):
+        say(f"demo model: {s.ckpt}")
+    elif dry_run:
+        say(f"demo model: {s.ckpt} is not made yet; a real start makes it (about 15 s)")
+    else:
+        _, took = demo.ensure(s.venv_dir / "bin" / "python", s.ckpt, s.root)
+        say(f"demo model: made {s.ckpt} in {took:.1f} s (random weights, seeded: the same files every time)")
+
+
 def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool, box_check: bool,
-          clear_cache: bool) -> int:
+          clear_cache: bool, demo_model: bool = False) -> int:
     """``./start.sh``; returns the exit status."""
+    if demo_model:
+        env = _demo_env(env)
     s = config.settings(env)
     v = config.serve_settings(env)
+    p = profiles.load(s.profile)
+    say(f"profile: {p.name} ({p.path}); the {s.device} build")
     if not dry_run and (rec := supervise.load(s)):
         if foreground or not s.log:
             raise BadInput(problem("the engine", "not running", f"pid {rec.pid} on {rec.host}:{rec.port}",
@@ -53,8 +86,10 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         return 0
     if build:
         _build_if_needed(s, dry_run)
+    if p.name == "demo":
+        _demo_model(s, env, dry_run)
     if box_check:
-        reading, checks = box.start_checks(s)
+        reading, checks = box.start_checks(s, p)
         failed = [c for c in checks if c.status == "fail"]
         for c in checks:
             if dry_run or c.status != "pass":
@@ -66,15 +101,15 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
                                                     if any(c.status == "warn" for c in checks) else ""))
     else:
         try:
-            reading = box.read_nvml()
+            reading = box.read_nvml() if s.device == "cuda" else None
         except box.NoDriver:
             reading = None
         say("box: check skipped (--skip-box-check)")
-    cards, p2p = _cards(s, reading)
+    cards, p2p = _cards(s, reading) if s.device == "cuda" else ([0], {})  # the CPU: one engine, no cards
     topo = topology.choose(cards, p2p)
     say(f"topology: TP{topo.tp} x PP{topo.pp}{' + EP' if topo.ep else ''} on cards "
         f"{','.join(map(str, topo.order))}: {topo.why}")
-    eng = engine.command(s, v, topo, box.scales_path(s))
+    eng = engine.command(s, v, topo, box.scales_path(s, p), p)
     if engine.open_to_network(s.host) and not v.api_key:
         warn(f"HOST={s.host} with an empty VLLM_API_KEY: the API is OPEN to the network, anyone who reaches "
              f"port {s.port} can use it. Set VLLM_API_KEY, or HOST=127.0.0.1")
@@ -87,4 +122,11 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
     if clear_cache:
         removed = engine.clear_cache(v.cache_root)
         say(f"cache: emptied {v.cache_root} ({', '.join(removed) or 'nothing there yet'})")
-    return supervise.start(supervise.Launch(s, v, eng, foreground=foreground or not s.log))
+    code = supervise.start(supervise.Launch(s, v, eng, foreground=foreground or not s.log, health=p.health))
+    if code == 0 and not (foreground or not s.log):
+        key = ' -H "Authorization: Bearer $VLLM_API_KEY"' if v.api_key else ""
+        say(f"try it: curl -s http://{supervise.connect_host(s.host)}:{s.port}/v1/chat/completions{key} "
+            f"-H 'Content-Type: application/json' -d '{{\"model\": \"{v.names[0]}\", \"messages\": "
+            f"[{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 16}}'")
+        say("stop it: scripts/nox.sh -s stop")
+    return code

@@ -30,8 +30,6 @@ UNIT = "etc/systemd/system/vllm.service"
 ENV_FILE = "etc/default/vllm"
 LOGROTATE = "etc/logrotate.d/vllm"
 RECORD = "var/lib/vllm-rig/installed.toml"
-#: Set in the environment file the service reads (the rest are commented defaults).
-ENV_SET = {"MODEL_NAME": config.SERVICE_MODEL_NAME}
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,12 @@ def render_logrotate(repo: Path, log: str) -> str:
     return (repo / "systemd" / "vllm.logrotate").read_text().replace(TEMPLATE_LOG, log)
 
 
-def render_env() -> str:
+def render_env(profile: str = "reference") -> str:
+    """The service's environment file: every service variable as a commented default, and the one value the
+    service sets differently from start.sh: the profile's service name."""
+    from rig import profiles
+
+    env_set = {"PROFILE": profile, "MODEL_NAME": profiles.load(profile).service_name}
     lines = ["# Settings of the vllm service (scripts/install-as-service.sh), read by systemd at each start.",
              "# Mode 0600: it can hold VLLM_API_KEY. Uncomment a line to change that default; then",
              "# scripts/install-as-service.sh stop && scripts/install-as-service.sh start.", ""]
@@ -68,8 +71,8 @@ def render_env() -> str:
             continue
         lines.append(f"# {v.name}: {v.meaning.replace('`', '')}"
                      + (f" Default: {v.default.replace('`', '')}." if v.literal is None else ""))
-        if v.name in ENV_SET:
-            lines.append(f"{v.name}={ENV_SET[v.name]}")
+        if v.name in env_set:
+            lines.append(f"{v.name}={env_set[v.name]}")
         else:  # uncommented as written, each line keeps the default (a derived one is left empty)
             lines.append(f"#{v.name}={v.literal or ''}")
     return "\n".join(lines) + "\n"
@@ -122,7 +125,7 @@ def install(t: Target) -> int:
     if env.exists():
         say(f"kept {env}: it exists, and holds your settings (never overwritten)")
     else:
-        atomic.write_text(env, render_env(), 0o600)
+        atomic.write_text(env, render_env(config.settings().profile), 0o600)
         files[ENV_FILE] = sha256_file(env)
         say(f"wrote {env} (mode 0600; edit it to set MODEL_NAME, CKPT, VLLM_API_KEY, ...)")
 

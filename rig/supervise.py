@@ -23,7 +23,7 @@ import time
 import tomllib
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -58,6 +58,7 @@ class Record:
     supervisor: int = 0  # the foreground supervisor's pid, 0 when detached
     ready: float = 0.0
     capacity: str = ""
+    health: str = "{}"  # the profile's extra fields of the one-token request, as JSON
 
 
 def pid_path(s: Settings) -> Path:
@@ -107,18 +108,20 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def _connect_host(host: str) -> str:
+def connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def health(host: str, port: int, model: str, api_key: str = "", timeout: float = 60.0) -> tuple[bool, str]:
-    """A one-token chat completion: (True, detail) when the engine generated it."""
+def health(host: str, port: int, model: str, api_key: str = "", timeout: float = 60.0,
+           extra: dict | None = None) -> tuple[bool, str]:
+    """A one-token chat completion (with the profile's ``extra`` fields): (True, detail) when the engine
+    generated it."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                       "chat_template_kwargs": {"enable_thinking": False}})
+                       **(extra or {})})
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    conn = http.client.HTTPConnection(_connect_host(host), port, timeout=timeout)
+    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout)
     try:
         conn.request("POST", "/v1/chat/completions", body, headers)
         resp = conn.getresponse()
@@ -143,7 +146,7 @@ def _port_open(host: str, port: int) -> bool:
     import socket
 
     try:
-        with socket.create_connection((_connect_host(host), port), timeout=0.5):
+        with socket.create_connection((connect_host(host), port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -213,6 +216,7 @@ class Launch:
     v: Serve
     engine: Engine
     foreground: bool
+    health: dict = field(default_factory=dict)  # the profile's extra fields of the one-token request
 
 
 def _lock(s: Settings) -> IO[str]:
@@ -249,8 +253,9 @@ def start(launch: Launch) -> int:
                 log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {argv[0]} serve\n".encode())
                 offset = os.fstat(log_fh.fileno()).st_size
             # The pump leads the group and writes the log, following a rotation by rename.
-            argv = [sys.executable, "-m", "rig.logpump", s.log, "--", *argv]
-            env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))}
+            # Run as a script (standard library only): no PYTHONPATH to the repository reaches the engine, where
+            # the tree's folder vllm/ would shadow the installed package as a namespace package.
+            argv = [sys.executable, str(REPO_ROOT / "rig" / "logpump.py"), s.log, "--", *argv]
         # A detached engine must not hold the caller's terminal or pipes: with a log, nothing is inherited.
         out = subprocess.DEVNULL if s.log else subprocess.PIPE
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
@@ -258,7 +263,7 @@ def start(launch: Launch) -> int:
                                 start_new_session=True)
         rec = Record(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid), started=time.time(),
                      host=s.host, port=s.port, model=v.names[0], log=s.log,
-                     supervisor=os.getpid() if launch.foreground else 0)
+                     supervisor=os.getpid() if launch.foreground else 0, health=json.dumps(launch.health))
         save(s, rec)
     lines = _Lines(Path(s.log) if s.log else None, offset, proc.stdout)
     say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
@@ -343,12 +348,13 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
         if now >= next_try and not listening:
             last_detail = "not listening yet"
         if listening:
-            ok, detail = health(s.host, s.port, v.names[0], v.api_key, timeout=max(1.0, min(120.0, deadline - now)))
+            ok, detail = health(s.host, s.port, v.names[0], v.api_key, timeout=max(1.0, min(120.0, deadline - now)),
+                                extra=json.loads(rec.health))
             if ok:
                 rec.ready = time.time()
                 save(s, rec)
                 names = ", ".join(v.names)
-                say(f"ready in {time.monotonic() - t0:.1f} s: http://{_connect_host(s.host)}:{s.port}/v1, "
+                say(f"ready in {time.monotonic() - t0:.1f} s: http://{connect_host(s.host)}:{s.port}/v1, "
                     f"model {names} (a one-token generation answered)")
                 if rec.capacity:
                     say(rec.capacity)
@@ -434,7 +440,7 @@ def status(s: Settings, v: Serve) -> int:
     if rec is None:
         say(f"not running (no live engine in {pid_path(s)})")
         return 3
-    ok, detail = health(rec.host, rec.port, rec.model, v.api_key, timeout=30)
+    ok, detail = health(rec.host, rec.port, rec.model, v.api_key, timeout=30, extra=json.loads(rec.health))
     capacity = rec.capacity or (_capacity_from_log(rec.log) if rec.log else "")
     mode = f"foreground under pid {rec.supervisor}" if rec.supervisor else "detached"
     say(f"pid {rec.pid} ({mode}), up {_ago(rec.started)}, {rec.host}:{rec.port}, model {rec.model}")

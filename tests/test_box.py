@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from rig import box, config
+from rig import box, config, profiles
+
+REF = profiles.load("reference")
 
 REFERENCE = ROOT.parent / "shared" / "reference" / "nvml-h200.json"
 RTX3090 = {"index": 0, "name": "NVIDIA GeForce RTX 3090", "uuid": "GPU-x", "pci_bus_id": "00000000:01:00.0",
@@ -37,7 +39,7 @@ def by_name(checks):
 
 
 def test_reference_box_passes_the_gpu_checks():
-    checks = box.gpu_checks(box.reading_from_json(three090s()), settings())
+    checks = box.gpu_checks(box.reading_from_json(three090s()), settings(), REF.box)
     assert all(c.status == "pass" for c in checks), [c.line() for c in checks if c.status != "pass"]
 
 
@@ -46,7 +48,7 @@ def test_the_recorded_h200_reading_parses_and_is_one_card_short_of_four():
         pytest.skip("no shared/reference here")
     r = box.reading_from_json(json.loads(REFERENCE.read_text()))
     assert r.gpus[0].name == "NVIDIA H200" and r.cuda_driver == 13000
-    c = by_name(box.gpu_checks(r, settings()))
+    c = by_name(box.gpu_checks(r, settings(), REF.box))
     assert c["GPUs"].status == "fail" and c["GPUs"].found.startswith("1 ")
     assert c["driver"].status == "pass" and "CUDA 13.0" in c["driver"].found
     assert "PCIe gen 5/5 x16/16" in box.report(r)[1] and "power limit 700 W" in box.report(r)[1]
@@ -60,7 +62,7 @@ def test_the_recorded_h200_reading_parses_and_is_one_card_short_of_four():
     ("small card", three090s(4, {2: {"memory_total": 12 << 30}}), "GPU 2 memory", "12.9 GB"),
 ])
 def test_bad_boxes_fail_one_check_each_with_a_fix(case, reading, check, want):
-    checks = box.gpu_checks(box.reading_from_json(reading), settings())
+    checks = box.gpu_checks(box.reading_from_json(reading), settings(), REF.box)
     failed = [c for c in checks if c.status == "fail"]
     assert [c.name for c in failed] == [check], case
     line = failed[0].line()
@@ -68,7 +70,7 @@ def test_bad_boxes_fail_one_check_each_with_a_fix(case, reading, check, want):
 
 
 def test_no_driver_is_one_line():
-    c = box.gpu_checks(None, settings(), why="NVMLError_LibraryNotFound")
+    c = box.gpu_checks(None, settings(), REF.box, why="NVMLError_LibraryNotFound")
     assert len(c) == 1 and "NVMLError_LibraryNotFound" in c[0].line() and "Fix:" in c[0].line()
 
 
@@ -79,18 +81,18 @@ def test_visible_devices_pick_cards_in_bus_order():
 
 def test_checkpoint_and_scales(tmp_path):
     ck = tmp_path / "ckpt"
-    assert by_name(box.model_checks(settings(CKPT=str(ck))))["checkpoint"].status == "fail"
+    assert by_name(box.model_checks(settings(CKPT=str(ck)), REF))["checkpoint"].status == "fail"
     ck.mkdir()
-    assert "no config.json" in box.model_checks(settings(CKPT=str(ck)))[0].found
+    assert "no config.json" in box.model_checks(settings(CKPT=str(ck)), REF)[0].found
     (ck / "config.json").write_text("{}")
-    c = by_name(box.model_checks(settings(CKPT=str(ck))))
+    c = by_name(box.model_checks(settings(CKPT=str(ck)), REF))
     assert c["KV scales"].status == "fail" and "another checkpoint's will not do" in c["KV scales"].fix
     (ck / "qsa_kv_scales_swift.json").write_text("{}")
-    c = by_name(box.model_checks(settings(CKPT=str(ck))))
+    c = by_name(box.model_checks(settings(CKPT=str(ck)), REF))
     assert c["KV scales"].status == "warn" and "older name" in c["KV scales"].found
     (ck / "qsa_kv_scales.json").write_text("{}")
-    assert by_name(box.model_checks(settings(CKPT=str(ck))))["KV scales"].status == "pass"
-    c = by_name(box.model_checks(settings(CKPT=str(ck), SCALES=str(tmp_path / "none.json"))))
+    assert by_name(box.model_checks(settings(CKPT=str(ck)), REF))["KV scales"].status == "pass"
+    c = by_name(box.model_checks(settings(CKPT=str(ck), SCALES=str(tmp_path / "none.json")), REF))
     assert c["KV scales"].status == "fail" and "none.json" in c["KV scales"].expected
 
 
@@ -107,7 +109,7 @@ def test_port_in_use_and_bad_port():
 
 
 def test_doctor_here_reports_the_missing_driver_in_one_line_and_the_rest():
-    lines = box.doctor(settings(CKPT=str(Path("/nonexistent"))))
+    lines = box.doctor(settings(CKPT=str(Path("/nonexistent"))), REF)
     if lines[0].startswith("no NVIDIA driver here"):
         assert "NVML" in lines[0]
     assert any(ln.startswith(("pass  RAM", "fail  RAM")) for ln in lines)

@@ -25,7 +25,7 @@ from conftest import ROOT, run_rig
 from fixture_upstream import FIXTURE_SETUP_PY
 from test_artifacts import FILES, built_tree
 
-from rig import artifacts, config, container, products, record, supervise, venvs
+from rig import artifacts, config, container, products, profiles, record, supervise, venvs
 from rig.kernels.target import of_build
 from rig.steps import pipeline
 from rig.steps.ops import OpsStep
@@ -351,7 +351,8 @@ def test_compose_renders_with_the_example_env(tmp_path):
     assert svc["build"]["args"] == {"MAX_JOBS": "32", "ARCH": "8.6", "OPS_ROUTE": "auto"}
     mounts = {v["target"]: v for v in svc["volumes"]}
     model = mounts["/models/Qwen3.8-Flash-Next"]
-    assert model["source"] == ex["MODEL_DIR"] == defaults["CKPT"] and model["read_only"] is True
+    ref = profiles.load("reference").checkpoint
+    assert model["source"] == ex["MODEL_DIR"] == ref and model["read_only"] is True
     assert mounts["/opt/vllm/qsa_kv_scales.json"]["source"] == f"{ex['MODEL_DIR']}/qsa_kv_scales.json"
     assert mounts["/opt/vllm/qsa_kv_scales.json"]["read_only"] is True
     assert mounts["/opt/qwen38/abliteration"]["source"] == str(proj / "abliteration")
@@ -360,7 +361,8 @@ def test_compose_renders_with_the_example_env(tmp_path):
     e = svc["environment"]
     assert e["CKPT"] == "/models/Qwen3.8-Flash-Next" and e["SCALES"] == "/opt/vllm/qsa_kv_scales.json"
     assert (e["HOST"], e["PORT"], e["LOG"], e["CACHE_ROOT"]) == ("0.0.0.0", "8000", "", "/cache")
-    assert e["ABLITERATION_DIR"] == "/opt/qwen38/abliteration" and e["MODEL_NAME"] == config.SERVICE_MODEL_NAME
+    assert e["ABLITERATION_DIR"] == "/opt/qwen38/abliteration"
+    assert e["MODEL_NAME"] == profiles.load("reference").service_name
     assert e["VLLM_API_KEY"] == "" and e["QWEN38_ABLITERATION"] == "Qwen3.8-Flash-Next-Uncensored"
     assert svc["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": 8000, "published": "8080",
                              "protocol": "tcp"}]
@@ -413,9 +415,9 @@ def test_env_example_lists_every_variable_compose_reads_at_the_rig_defaults():
         m = re.search(rf"\$\{{{name}(:?-)([^}}]*)\}}", text)
         default = by[name].default
         if name == "MODEL_NAME":  # the container's own default, not start.sh's
-            assert value == config.SERVICE_MODEL_NAME and m and m[2] == value, (name, value)
+            assert value == profiles.load("reference").service_name and m and m[2] == value, (name, value)
         elif name == "MODEL_DIR":
-            assert re.search(r"\$\{MODEL_DIR:\?[^}]+\}", text) and value == by["CKPT"].default
+            assert re.search(r"\$\{MODEL_DIR:\?[^}]+\}", text) and value == profiles.load("reference").checkpoint
         elif default.startswith("`"):  # a default made of another variable: empty here, compose fills it in
             assert value == "" and m and m[1] == ":-", name
         else:
@@ -436,7 +438,7 @@ def test_readme_docker_run_mounts_the_checkpoint_where_the_image_looks(tmp_path,
     ckpt = image_env()["CKPT"]
     assert ro == [ckpt], (ro, ckpt)
     env = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-e")
-    assert env.get("MODEL_NAME") == config.SERVICE_MODEL_NAME
+    assert env.get("MODEL_NAME") == profiles.load("reference").service_name
     svc, _ = rendered(tmp_path)
     assert svc["environment"]["CKPT"] == ckpt and ckpt in {v["target"] for v in svc["volumes"]}
 

@@ -127,7 +127,9 @@ def test_nvml_reading_and_doctor_on_the_real_driver() -> None:
     assert r.gpus and r.cuda_driver >= 13000 and r.driver
     g = r.gpus[0]
     assert g.memory_total > 0 and g.pcie_width_max > 0 and g.compute_capability[0] >= 7
-    lines = box.doctor(config.settings({"CUDA_VISIBLE_DEVICES": ""}))
+    from rig import profiles
+
+    lines = box.doctor(config.settings({"CUDA_VISIBLE_DEVICES": ""}), profiles.load("reference"))
     print("\n".join(lines))
     assert lines[0].startswith("driver ") and any(ln.startswith("pass  GPUs") or "GPUs" in ln for ln in lines)
 

@@ -48,13 +48,13 @@ def test_installed_vllm_runs_the_patched_tree(fresh):
 def test_the_engine_command_parses_under_the_real_vllm_serve_parser(fresh):
     import json
 
-    from rig import config, engine, topology
+    from rig import config, engine, profiles, topology
 
     dest, _, env = fresh
     s = config.settings({"VENV_DIR": str(dest / ".venv")}, root=dest)
     v = config.serve_settings({"MODEL_NAME": "qwen38-flash-next Hinata"}, root=dest)
     four = topology.choose([0, 1, 2, 3], {(a, b): "not supported" for a in range(4) for b in range(4) if a != b})
-    eng = engine.command(s, v, four, Path("/models/scales.json"))
+    eng = engine.command(s, v, four, Path("/models/scales.json"), profiles.load("reference"))
     assert eng.argv[:2] == [str(dest / ".venv/bin/vllm"), "serve"]
     r = subprocess.run([str(dest / ".venv/bin/python"), str(ROOT / "tests/vllm_parse.py"), *eng.argv[1:]],
                        capture_output=True, text=True, env={**env, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/", timeout=600)

@@ -250,7 +250,13 @@ def reading(n=4, changes=None) -> box.Reading:
 @pytest.fixture
 def roomy(monkeypatch):
     """This machine's RAM and /dev/shm are smaller than the reference box's: only the GPU facts are tested."""
-    monkeypatch.setattr(config, "REFERENCE_BOX", config.BoxProfile(ram_gib=0.1, shm_gb=0.0, disk_gb=0.0))
+    import dataclasses
+
+    from rig import profiles
+
+    ref = profiles.load("reference")
+    roomy_ref = dataclasses.replace(ref, box=dataclasses.replace(ref.box, ram_gib=0.1, shm_gb=0.0, disk_gb=0.0))
+    monkeypatch.setattr(profiles, "load", lambda name, *a: roomy_ref if name == "reference" else ref)
 
 
 def start_in_process(env, monkeypatch, capsys, read):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_rig
 
-from rig import config, service
+from rig import config, profiles, service
 
 needs_systemd = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 needs_logrotate = pytest.mark.skipif(not shutil.which("logrotate"), reason="logrotate not installed")
@@ -213,5 +213,5 @@ def test_the_environment_file_uncommented_as_written_keeps_every_default():
     assert env["VLLM_API_KEY"] == "" and env["CUDA_HOME"] == ""
     assert config.settings(env) == config.settings({})
     served = config.serve_settings(env)
-    assert served == config.serve_settings({"MODEL_NAME": config.SERVICE_MODEL_NAME})
+    assert served == config.serve_settings({"MODEL_NAME": profiles.load("reference").service_name})
     assert served.api_key == ""

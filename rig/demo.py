@@ -1,0 +1,122 @@
+"""The demo model: a tiny Qwen3-architecture checkpoint the rig makes on the box, so the whole serve path runs
+anywhere with the real engine.
+
+Random weights (seeded), 2 layers, hidden 256, 4 heads of size 64 (a head size vLLM's CPU attention supports),
+a byte-level BPE tokenizer trained with ``tokenizers`` on the prose rig/prose.py generates, and a ChatML chat
+template. Made with the serving venv's own ``transformers``, ``tokenizers`` and ``torch`` (the runtime lock),
+into ``RIG_CACHE/models/demo``, atomically: a folder made beside it and renamed when complete. Nothing is
+downloaded. Made twice, its files hash the same.
+
+  python -m rig.demo OUT        (run by the serving venv's Python; ./start.sh --demo does it)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SEED = 1661
+VOCAB = 2048
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+#: The config the checkpoint is made with; ``max_position_embeddings`` lets the demo use the reference's context.
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 262144}
+MARK = ".rig-demo.json"  # written last: a folder without it is not trusted
+
+
+def make(out: Path) -> None:
+    """Write the checkpoint into ``out`` (an empty folder). Runs in the serving venv."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rig import prose
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=list(SPECIAL), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(prose.generate(60_000, seed=SEED).split("\n\n"), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in SPECIAL}
+    _json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": SHAPE["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False, "add_bos_token": False, "chat_template": CHAT_TEMPLATE})
+    _json(out / "special_tokens_map.json", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    torch.manual_seed(SEED)
+    cfg = Qwen3Config(vocab_size=VOCAB, rope_theta=1_000_000.0, tie_word_embeddings=True,
+                      bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                      pad_token_id=ids["<|endoftext|>"], torch_dtype="bfloat16", **SHAPE)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    for p in out.iterdir():
+        os.chmod(p, 0o644)
+
+
+def _json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file of the checkpoint (the mark aside)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != MARK}
+
+
+def ready(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete demo checkpoint (its mark, and the files the mark lists)."""
+    try:
+        mark = json.loads((folder / MARK).read_text())
+    except (FileNotFoundError, ValueError):
+        return False
+    return set(mark.get("files", {})) <= {p.name for p in folder.iterdir()}
+
+
+def ensure(python: Path, folder: Path, root: Path) -> tuple[bool, float]:
+    """The demo checkpoint at ``folder``, made with ``python`` (the serving venv's) when missing; (made, seconds).
+
+    Made in a sibling folder and renamed, so a kill leaves nothing a later run trusts; leftovers of a killed
+    run are removed first.
+    """
+    if ready(folder):
+        return False, 0.0
+    from rig.errors import WorkFailed
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in folder.parent.glob(f".{folder.name}.making-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = folder.parent / f".{folder.name}.making-{os.getpid()}"
+    tmp.mkdir()
+    t0 = time.monotonic()
+    try:
+        env = {**os.environ, "PYTHONPATH": str(root), "TOKENIZERS_PARALLELISM": "false",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        r = subprocess.run([str(python), "-m", "rig.demo", str(tmp)], cwd=root, env=env, capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            raise WorkFailed(f"making the demo model failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}. Fix: "
+                             f"./build.sh (the venv {python.parent.parent} needs torch, transformers, tokenizers)")
+        _json(tmp / MARK, {"seed": SEED, "shape": SHAPE, "files": digest(tmp)})
+        if folder.exists():
+            shutil.rmtree(folder)  # an incomplete one (no mark): the rig's own, never trusted
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True, time.monotonic() - t0
+
+
+if __name__ == "__main__":
+    make(Path(sys.argv[1]))

@@ -1,0 +1,134 @@
+"""The serve path on the real engine: vLLM v0.30.0 built for the CPU, serving the demo model the rig makes.
+
+One engine for the module, started by the rig's own entry point (``./start.sh --demo``) in the fresh copy
+whose CUDA and CPU builds tests/test_real_build.py and tests/test_real_cpu.py made. Run alone with
+``scripts/nox.sh -s tests -- -m engine``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rig import demo
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nox(dest: Path, env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(dest / "scripts" / "nox.sh"), *args], cwd=dest, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def engine_processes(pgid: int) -> list[psutil.Process]:
+    """Every process of the engine: in its process group, or named like vLLM's engine and workers."""
+    out = []
+    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if os_pgid(p.pid) == pgid or "VLLM::" in (p.info["name"] or "") or "VLLM::" in cmd:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def os_pgid(pid: int) -> int:
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return -1
+
+
+@pytest.fixture(scope="module")
+def served(fresh, tmp_path_factory):
+    dest, cuda, env = fresh
+    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
+    log = tmp_path_factory.mktemp("engine") / "vllm.log"
+    env = {**env, "LOG": str(log), "PORT": str(free_port()), "START_TIMEOUT": "900"}
+    t0 = time.monotonic()
+    r = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True, text=True,
+                       timeout=1800)
+    took = time.monotonic() - t0
+    state = tomllib_load(dest / ".rig" / "engine.toml") if r.returncode == 0 else {}
+    yield dest, env, r, took, state
+    nox(dest, env, "-s", "stop")
+
+
+def tomllib_load(path: Path) -> dict:
+    import tomllib
+
+    return tomllib.loads(path.read_text())
+
+
+def test_start_demo_serves_the_real_engine_and_says_how_to_use_it(served):
+    dest, env, r, took, state = served
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "profile: demo" in r.stdout and "the cpu build" in r.stdout
+    assert "ready in" in r.stdout and "a one-token generation answered" in r.stdout
+    assert "CPU KV cache size:" in r.stdout and "tokens" in r.stdout  # vLLM's own capacity line, on the CPU
+    assert "try it: curl -s http://127.0.0.1:" in r.stdout and "stop it: scripts/nox.sh -s stop" in r.stdout
+    print(f"\n./start.sh --demo to healthy (builds current): {took:.0f} s")
+
+
+def test_a_chat_completion_answers_through_the_api(served):
+    _, env, r, _, state = served
+    assert r.returncode == 0
+    body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{env['PORT']}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        data = json.loads(resp.read())
+    assert data["model"] == "demo" and data["usage"]["completion_tokens"] >= 1
+
+
+def test_status_reports_the_running_real_engine(served):
+    dest, env, r, _, state = served
+    assert r.returncode == 0
+    s = nox(dest, env, "-s", "status")
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert f"pid {state['pid']}" in s.stdout and f"127.0.0.1:{env['PORT']}" in s.stdout
+    assert "health: ok (one token generated)" in s.stdout and "CPU KV cache size:" in s.stdout
+
+
+def test_the_demo_model_is_the_same_files_when_made_again(served, tmp_path):
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    made = Path.home() / ".cache" / "vllm-rig" / "models" / "demo"
+    assert demo.ready(made)
+    again = tmp_path / "demo"
+    assert demo.ensure(dest / ".venv-cpu" / "bin" / "python", again, dest)[0]
+    assert demo.digest(again) == demo.digest(made)
+    config = json.loads((made / "config.json").read_text())
+    assert config["head_dim"] == 64 and config["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_stop_leaves_no_process_of_the_engine(served):
+    dest, env, r, _, state = served
+    assert r.returncode == 0
+    pgid = state["pgid"]
+    assert engine_processes(pgid), "the engine runs before the stop"
+    s = nox(dest, env, "-s", "stop")
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "no process of it is left" in s.stdout
+    deadline = time.monotonic() + 10
+    while engine_processes(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine_processes(pgid), [p.info for p in engine_processes(pgid)]
