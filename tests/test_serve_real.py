@@ -8,6 +8,7 @@ whose CUDA and CPU builds tests/test_real_build.py and tests/test_real_cpu.py ma
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -49,20 +50,35 @@ def engine_processes(pgid: int) -> list[psutil.Process]:
 
 
 def os_pgid(pid: int) -> int:
-    import os
-
     try:
         return os.getpgid(pid)
     except ProcessLookupError:
         return -1
 
 
+def bare_env(home: Path, **extra: str) -> dict[str, str]:
+    """A fresh machine's environment: Debian's own python3 (externally managed, PEP 668) first on PATH, no uv,
+    a new HOME. Passed on: the CA bundle of this machine's network, and the warm download caches (uv's and the
+    rig's, where the test run keeps them) so the run measures the rig, not the network."""
+    cache = Path.home() / ".cache"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
+           "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(cache / "uv")),
+           "RIG_CACHE": os.environ.get("RIG_CACHE", str(cache / "vllm-rig")), **extra}
+    for key in ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    if (Path.home() / ".pyenv").is_dir():  # where this machine keeps its CPython 3.13 (Debian 13 has it on PATH)
+        env["PYENV_ROOT"] = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    return env
+
+
 @pytest.fixture(scope="module")
 def served(fresh, tmp_path_factory):
-    dest, cuda, env = fresh
+    dest, cuda, _ = fresh
     assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
-    log = tmp_path_factory.mktemp("engine") / "vllm.log"
-    env = {**env, "LOG": str(log), "PORT": str(free_port()), "START_TIMEOUT": "900"}
+    d = tmp_path_factory.mktemp("engine")
+    (d / "home").mkdir()
+    env = bare_env(d / "home", LOG=str(d / "vllm.log"), PORT=str(free_port()), START_TIMEOUT="900")
     t0 = time.monotonic()
     r = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True, text=True,
                        timeout=1800)
@@ -111,7 +127,7 @@ def test_status_reports_the_running_real_engine(served):
 def test_the_demo_model_is_the_same_files_when_made_again(served, tmp_path):
     dest, env, r, _, _ = served
     assert r.returncode == 0
-    made = Path.home() / ".cache" / "vllm-rig" / "models" / "demo"
+    made = Path(env["RIG_CACHE"]) / "models" / "demo"
     assert demo.ready(made)
     again = tmp_path / "demo"
     assert demo.ensure(dest / ".venv-cpu" / "bin" / "python", again, dest)[0]

@@ -69,3 +69,41 @@ def test_start_help_names_its_switches_and_the_variables(tmp_path):
         assert switch in r.stdout
     for name in ("MODEL_NAME", "VLLM_API_KEY", "MAX_SEQS", "GUARD", "STOP_TIMEOUT"):
         assert name in r.stdout
+
+
+def test_a_fresh_machine_gets_uv_without_pip_or_the_system_python(tmp_path):
+    """Debian's own python3 is externally managed (PEP 668): the wrapper fetches the pinned uv itself."""
+    import shutil as sh
+
+    copy = tmp_path / "rig"
+    copy.mkdir()
+    for rel in ("build.sh", "noxfile.py", "pyproject.toml", "scripts", "rig", "patches"):
+        (sh.copytree if (ROOT / rel).is_dir() else sh.copy2)(ROOT / rel, copy / rel)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    env.update({k: os.environ[k] for k in ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE") if k in os.environ})
+    assert subprocess.run(["/usr/bin/python3", "-m", "pip", "install", "--user", "--dry-run", "uv"], env=env,
+                          capture_output=True, text=True).returncode != 0  # what the wrapper must not rely on
+    r = subprocess.run([str(copy / "build.sh"), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fetching uv 0.13.9" in r.stderr and "usage: build.sh" in r.stdout
+    assert os.access(copy / ".rig" / "uv" / "uv", os.X_OK)
+    again = subprocess.run([str(copy / "build.sh"), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and "fetching uv" not in again.stderr  # kept under the rig's state
+
+
+def test_the_uv_bootstrap_refuses_a_wheel_whose_sha256_is_not_the_pin(tmp_path):
+    from conftest import Index
+
+    name = "uv-0.13.9-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"
+    idx = Index(tmp_path / "index", {name: b"not uv"})
+    try:
+        r = subprocess.run(["/usr/bin/python3", str(ROOT / "scripts" / "bootstrap_uv.py"), str(tmp_path / "uv")],
+                           env={"PATH": "/usr/bin:/bin", "INDEX_URL": idx.url}, capture_output=True, text=True)
+    finally:
+        idx.stop()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "expected d7f459fe" in r.stderr and idx.sha[name] in r.stderr
+    assert not (tmp_path / "uv" / "uv").exists()
