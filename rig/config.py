@@ -11,7 +11,9 @@ Code reads values through :func:`settings`, :func:`serve_settings` and
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -156,6 +158,44 @@ def python(v: Var, env: Mapping[str, str], root: Path) -> str | None:
     return _raw(v, env) or env.get("UV_PYTHON", "").strip() or None
 
 
+HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+
+
+def host(v: Var, env: Mapping[str, str], root: Path) -> str:
+    """An IP address or a hostname: anything else would reach vLLM's parser as a flag or a bad bind."""
+    raw = _raw(v, env) or ""
+    try:
+        ipaddress.ip_address(raw)
+        return raw
+    except ValueError:
+        pass
+    if not HOSTNAME.match(raw):
+        raise BadInput(problem(v.name, "an IP address (127.0.0.1, 0.0.0.0, ::1) or a hostname", repr(raw),
+                               f"set {v.name}=127.0.0.1 (this box only) or {v.name}=0.0.0.0 (every interface)"))
+    return raw
+
+
+def cards(v: Var, env: Mapping[str, str], root: Path) -> str:
+    """Card indices in PCI bus order, each once (empty: every card). The topology chooser works on indices."""
+    raw = (env.get(v.name, v.literal or "") or "").strip()
+    if not raw:
+        return raw
+    items = [x.strip() for x in raw.split(",")]
+    bad = [x for x in items if not x.isdigit()]
+    if bad:
+        uuid = any(x.startswith(("GPU-", "MIG-")) for x in bad)
+        raise BadInput(problem(v.name, "card indices in PCI bus order, comma-separated (0,1,2,3)", repr(raw),
+                               "use the indices nvidia-smi -L prints" + (" (GPU UUIDs are not supported: the "
+                               "topology is chosen from indices and their P2P links)" if uuid else "")))
+    twice = sorted({x for x in items if items.count(x) > 1})
+    if twice:
+        raise BadInput(problem(v.name, "each card once", f"{raw!r} (card {', '.join(twice)} more than once)",
+                               f"list each card once, e.g. {','.join(dict.fromkeys(items))}"))
+    return ",".join(items)
+
+
 def _profile(env: Mapping[str, str]):  # noqa: ANN202 - rig.profiles.Profile, imported late (it reads files)
     from rig import profiles
 
@@ -168,6 +208,11 @@ def names(v: Var, env: Mapping[str, str], root: Path) -> tuple[str, ...]:
     got = tuple((raw or _profile(env).served_name).split())
     if not got:
         raise BadInput(problem(v.name, "one or more names", "only spaces", f"unset {v.name} for the profile's"))
+    for name in got:
+        if not SERVED_NAME.match(name):  # a leading '-' would reach vLLM's parser as a flag
+            raise BadInput(problem(v.name, "names of letters, digits and . _ : / @ + - (not starting with - or a "
+                                   "symbol), separated by spaces", repr(name), f"set {v.name}=my-model, or unset "
+                                   "it for the profile's name"))
     return got
 
 
@@ -241,10 +286,10 @@ VARS: tuple[Var, ...] = (
         checkpoint, "ckpt", derived=True, service=True),
     Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint.", path, "scales",
         derived=True, service=True),
-    Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface.", text, "host",
+    Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface.", host, "host",
         service=True),
     Var("PORT", "8000", "The port the API listens on.", port, "port", service=True),
-    Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order.", text, "visible", service=True),
+    Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order.", cards, "visible", service=True),
     Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI, "
         "the engine's pid file.", path, "state_dir", service=True),
     Var("MODEL_NAME", "the profile's `served_name` (`start.sh`), `service_name` (compose, systemd)",

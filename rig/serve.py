@@ -88,6 +88,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         _build_if_needed(s, dry_run)
     if p.name == "demo":
         _demo_model(s, env, dry_run)
+    refusals: list[BadInput] = []
     if box_check:
         reading, checks = box.start_checks(s, p)
         failed = [c for c in checks if c.status == "fail"]
@@ -95,10 +96,14 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
             if dry_run or c.status != "pass":
                 print(f"{INDENT}{c.line()}", file=sys.stderr if c.status != "pass" else sys.stdout, flush=True)
         if failed:
-            raise BadInput(f"the box check: {len(failed)} of {len(checks)} checks failed (each is above, with its "
-                           "fix); nox -s doctor lists them all, ./start.sh --skip-box-check starts anyway")
-        say(f"box: {len(checks)} checks passed" + (f", {sum(c.status == 'warn' for c in checks)} warned"
-                                                    if any(c.status == "warn" for c in checks) else ""))
+            refused = BadInput(f"the box check: {len(failed)} of {len(checks)} checks failed (each is above, with "
+                               "its fix); nox -s doctor lists them all, ./start.sh --skip-box-check starts anyway")
+            if not dry_run:
+                raise refused
+            refusals.append(refused)  # a dry run still shows what would run (a build box has no GPU)
+        else:
+            say(f"box: {len(checks)} checks passed" + (f", {sum(c.status == 'warn' for c in checks)} warned"
+                                                        if any(c.status == "warn" for c in checks) else ""))
     else:
         try:
             reading = box.read_nvml() if s.device == "cuda" else None
@@ -110,14 +115,25 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
     say(f"topology: TP{topo.tp} x PP{topo.pp}{' + EP' if topo.ep else ''} on cards "
         f"{','.join(map(str, topo.order))}: {topo.why}")
     eng = engine.command(s, v, topo, box.scales_path(s, p), p)
+    if engine.open_to_network(s.host) and v.api_key:
+        warn(f"HOST={s.host}: VLLM_API_KEY guards only vLLM's /v1 routes; /metrics, /tokenize, /invocations and "
+             f"others stay open to whoever reaches port {s.port} (vLLM issues 58144, 18892). Keep the port on a "
+             "private network, or behind a proxy that checks the key")
     if engine.open_to_network(s.host) and not v.api_key:
         warn(f"HOST={s.host} with an empty VLLM_API_KEY: the API is OPEN to the network, anyone who reaches "
              f"port {s.port} can use it. Set VLLM_API_KEY, or HOST=127.0.0.1")
     if dry_run:
         for line in eng.shown():
             print(f"{INDENT}{line}")
+        if s.log:
+            try:
+                supervise.check_log(s.log)
+            except BadInput as exc:
+                refusals.append(exc)
         say(f"log: {s.log or 'the terminal (LOG is empty)'}; mode: "
             f"{'foreground' if foreground or not s.log else 'detached'}; dry run: nothing started")
+        if refusals:
+            raise BadInput("; ".join(r.message for r in refusals))
         return 0
     if clear_cache:
         removed = engine.clear_cache(v.cache_root)

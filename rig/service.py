@@ -124,6 +124,10 @@ def install(t: Target) -> int:
     env = t.path(ENV_FILE)
     if env.exists():
         say(f"kept {env}: it exists, and holds your settings (never overwritten)")
+        mode = env.stat().st_mode & 0o777
+        if mode & 0o077:  # it can hold VLLM_API_KEY: readable by its owner only
+            env.chmod(0o600)
+            warn(f"{env} was mode {mode:04o}, readable by other users, and can hold VLLM_API_KEY: made it 0600")
     else:
         atomic.write_text(env, render_env(config.settings().profile), 0o600)
         files[ENV_FILE] = sha256_file(env)

@@ -200,10 +200,25 @@ def _notable(line: str) -> tuple[str, str] | None:
     return None
 
 
+def check_log(path: str) -> None:
+    """That LOG can be appended to by this user, without creating anything: what a dry run checks too."""
+    p = Path(path)
+    where = p if p.exists() else next((a for a in p.parents if a.exists()), Path("/"))
+    blocked = p.is_dir() or (where != p and not where.is_dir())
+    if blocked or not os.access(where, os.W_OK):
+        found = ("a folder" if p.is_dir() else f"{where}, which is not a folder" if blocked
+                 else f"{where} is not writable by uid {os.geteuid()}")
+        raise BadInput(problem("LOG", f"a file this user can append to ({path})", found,
+                               "run with sudo, set LOG=/a/writable/path, or LOG= to keep the output on the "
+                               "terminal"))
+
+
 def _open_log(path: str) -> IO[bytes]:
+    """The engine log, appended to (O_APPEND: safe beside rotation), created 0640: it can hold prompts."""
+    check_log(path)
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "ab", buffering=0)  # O_APPEND: safe beside rotation by truncation
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640), "ab", buffering=0)
     except OSError as exc:
         raise BadInput(problem("LOG", f"a file this user can append to ({path})", exc.strerror or str(exc),
                                "run with sudo, set LOG=/a/writable/path, or LOG= to keep the output on the "

@@ -358,3 +358,60 @@ def test_clear_cache_removes_only_the_rig_subfolders_and_never_through_a_link(tm
     (tmp_path / "file").write_text("x")
     with pytest.raises(BadInput, match="not a folder"):
         engine.clear_cache(tmp_path / "file")
+
+
+# --- bad serve input: each one line, exit 2, nothing started -------------------------------------------------
+
+@pytest.mark.parametrize("name,value,want", [
+    ("HOST", "--x", "an IP address"), ("HOST", "a b", "an IP address"), ("HOST", "host_name", "an IP address"),
+    ("MODEL_NAME", "--trust-remote-code", "names of letters"), ("MODEL_NAME", "ok -x", "names of letters"),
+    ("CUDA_VISIBLE_DEVICES", "a,b", "card indices"), ("CUDA_VISIBLE_DEVICES", "0,0,0,0", "each card once"),
+    ("CUDA_VISIBLE_DEVICES", "GPU-0d3e5b1c-8a9f-4c2e-9b7d-1e2f3a4b5c6d", "GPU UUIDs are not supported"),
+    ("CUDA_VISIBLE_DEVICES", "0,,1", "card indices"),
+])
+def test_bad_serve_variables_stop_before_anything_starts(rig_env, name, value, want):
+    r = run_rig({**rig_env, name: value}, "start", "--dry-run", "--no-build", "--skip-box-check")
+    assert r.code == 2, r.text
+    assert f"{name}: expected" in r.err and repr(value.split()[-1] if name == "MODEL_NAME" else value) in r.err
+    assert want in r.err and "Fix:" in r.err
+    assert "command:" not in r.out and not Path(rig_env["DOUBLE_RECORD"]).exists()
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1", "0.0.0.0", "::1", "localhost", "gpu-box.lan"])
+def test_good_hosts_pass(value):
+    assert config.settings({"HOST": value}).host == value
+
+
+def test_dry_run_checks_log_and_still_prints_the_command(rig_env, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    r = run_rig({**rig_env, "LOG": str(tmp_path / "a-file" / "vllm.log")}, "start", "--dry-run", "--no-build",
+                "--skip-box-check")
+    assert r.code == 2, r.text
+    assert "command: " in r.out and "LOG: expected a file this user can append to" in r.err
+    assert not (tmp_path / "a-file").is_dir()
+
+
+def test_dry_run_shows_the_command_when_the_box_check_fails_then_exits_2(rig_env, monkeypatch, capsys):
+    monkeypatch.setattr(box, "read_nvml", no_driver)
+    with pytest.raises(BadInput) as e:
+        serve.start(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
+    out = capsys.readouterr().out
+    assert "command: " in out and "vllm serve" in out and "environment:" in out
+    assert "the box check" in e.value.message and e.value.code == 2
+
+
+def test_the_engine_log_is_created_readable_by_its_owner_and_group_only(rig_env, tmp_path):
+    log = tmp_path / "new" / "vllm.log"
+    r = start({**rig_env, "LOG": str(log)})
+    try:
+        assert r.code == 0, r.text
+        assert log.stat().st_mode & 0o777 == 0o640
+    finally:
+        run_rig(rig_env, "stop")
+
+
+def test_a_key_on_an_open_host_says_what_the_key_does_not_guard(rig_env):
+    r = run_rig({**rig_env, "HOST": "0.0.0.0", "VLLM_API_KEY": "k"}, "start", "--dry-run", "--no-build",
+                "--skip-box-check")
+    assert r.code == 0, r.text
+    assert "guards only vLLM's /v1 routes" in r.err and "/metrics" in r.err and r.err.count("guards only") == 1

@@ -215,3 +215,19 @@ def test_the_environment_file_uncommented_as_written_keeps_every_default():
     served = config.serve_settings(env)
     assert served == config.serve_settings({"MODEL_NAME": profiles.load("reference").service_name})
     assert served.api_key == ""
+
+
+def test_a_world_readable_environment_file_is_tightened_with_a_word(tmp_path):
+    env = tmp_path / "etc" / "default" / "vllm"
+    env.parent.mkdir(parents=True)
+    env.write_text("VLLM_API_KEY=s3cret\n")
+    env.chmod(0o644)
+    r = run_rig({**os.environ, "DESTDIR": str(tmp_path)}, "service", "install")
+    assert r.code == 0, r.text
+    assert env.read_text() == "VLLM_API_KEY=s3cret\n" and env.stat().st_mode & 0o777 == 0o600
+    assert "readable by other users" in r.err and "made it 0600" in r.err
+
+
+def test_the_compose_env_file_is_ignored_by_git():
+    r = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT)
+    assert r.returncode == 0
