@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from rig import box, config, demo, engine, profiles, supervise, topology
 from rig.console import INDENT, say, warn
 from rig.errors import BadInput, problem
+from rig.health import connect_host
 from rig.steps import pipeline
 from rig.steps.order import steps
 
@@ -141,7 +142,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
     code = supervise.start(supervise.Launch(s, v, eng, foreground=foreground or not s.log, health=p.health))
     if code == 0 and not (foreground or not s.log):
         key = ' -H "Authorization: Bearer $VLLM_API_KEY"' if v.api_key else ""
-        say(f"try it: curl -s http://{supervise.connect_host(s.host)}:{s.port}/v1/chat/completions{key} "
+        say(f"try it: curl -s http://{connect_host(s.host)}:{s.port}/v1/chat/completions{key} "
             f"-H 'Content-Type: application/json' -d '{{\"model\": \"{v.names[0]}\", \"messages\": "
             f"[{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 16}}'")
         say("stop it: scripts/nox.sh -s stop")

@@ -10,7 +10,6 @@ that no process of it is left: vLLM's EngineCore and workers outlive a SIGKILL o
 from __future__ import annotations
 
 import fcntl
-import http.client
 import json
 import os
 import queue
@@ -34,6 +33,7 @@ from rig.config import Serve, Settings
 from rig.console import INDENT, error, say, warn
 from rig.engine import Engine
 from rig.errors import BadInput, WorkFailed, problem
+from rig.health import connect_host, health, port_open
 
 #: Milestones of a vLLM start worth showing while waiting (besides the capacity line, warnings, errors).
 MILESTONES = re.compile(r"Loading weights took|Model loading took|torch\.compile takes|Capturing CUDA graphs|"
@@ -106,50 +106,6 @@ def group_members(pgid: int) -> list[int]:
         except (ProcessLookupError, PermissionError):
             continue
     return out
-
-
-def connect_host(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-
-
-def health(host: str, port: int, model: str, api_key: str = "", timeout: float = 60.0,
-           extra: dict | None = None) -> tuple[bool, str]:
-    """A one-token chat completion (with the profile's ``extra`` fields): (True, detail) when the engine
-    generated it."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                       **(extra or {})})
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/chat/completions", body, headers)
-        resp = conn.getresponse()
-        data = resp.read()
-    except (OSError, http.client.HTTPException) as exc:
-        return False, f"no answer ({exc.__class__.__name__}: {exc})"
-    finally:
-        conn.close()
-    if resp.status != 200:
-        return False, f"HTTP {resp.status}: {data[:200].decode(errors='replace').strip()}"
-    try:
-        choices = json.loads(data)["choices"]
-        usage = json.loads(data).get("usage") or {}
-    except (ValueError, KeyError, TypeError):
-        return False, "HTTP 200 but not a chat completion"
-    if not choices or usage.get("completion_tokens", 1) < 1:
-        return False, "HTTP 200 but no token generated"
-    return True, "one token generated"
-
-
-def _port_open(host: str, port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection((connect_host(host), port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 class _Lines:
@@ -359,7 +315,7 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
             raise WorkFailed(f"the engine exited with code {code} after {time.monotonic() - t0:.0f} s, before it "
                              f"was healthy{' (its last lines are above)' if s.log else ''}{where}")
         now = time.monotonic()
-        listening = now >= next_try and _port_open(s.host, s.port)
+        listening = now >= next_try and port_open(s.host, s.port)
         if now >= next_try and not listening:
             last_detail = "not listening yet"
         if listening:

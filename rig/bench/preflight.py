@@ -62,7 +62,8 @@ def _tokenizer(path: Path) -> Path:
 
 def check(req: Request, env: dict[str, str]) -> Target:
     """Everything a run needs, checked before the first benchmark request; BadInput (exit 2) otherwise."""
-    from rig import config, supervise
+    from rig import config
+    from rig.health import health
 
     b = config.bench_settings(env)
     api_key = config.serve_settings(env).api_key
@@ -76,7 +77,7 @@ def check(req: Request, env: dict[str, str]) -> Target:
         except ImportError as exc:
             raise BadInput(problem("matplotlib", "installed (it draws the sweep plot)", "none",
                                    "run benchmarks/bench.sh (nox -s bench installs it)")) from exc
-    ok, detail = supervise.health(host, port, b.model, api_key)
+    ok, detail = health(host, port, b.model, api_key)
     if not ok:
         raise BadInput(problem(f"server {b.base_url} (model {b.model})",
                                "a one-token generation, as ./start.sh checks it", " ".join(detail.split()),

@@ -1,0 +1,91 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = ["psutil>=5.9", "requests>=2.31", "tomli-w>=1.0", "GitPython>=3.1.40"]
+# ///
+"""./start.sh --demo on this repository's CPU build (run `DEVICE=cpu ./build.sh` first).
+
+  uv run benchmarks/demo_start.py [--repeat 5] [--serve]
+
+(a) making the demo model (rig/demo.py, with the CPU venv's transformers), against importing
+    transformers and torch in the same venv (the floor of any checkpoint made there);
+(b) the no-op `./start.sh --demo --dry-run` (build current, model made), median of N, against
+    `python -c 'import nox'` with the interpreter the wrapper runs nox with;
+(c) with --serve: `./start.sh --demo` to healthy, then `nox -s stop` (port 8123, log in a temp folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+
+from build_rerun import sh  # noqa: E402 - benchmarks/build_rerun.py
+from timing import median_time, timed  # noqa: E402 - benchmarks/timing.py
+
+from rig import demo  # noqa: E402
+
+
+def bare_serve(env: dict[str, str]) -> float:
+    """The same ``vllm serve`` command and environment the rig would run, started bare and polled every 0.5 s
+    with the rig's one-token request until it answers; the seconds that took. The engine is then stopped."""
+    from rig import config, engine, profiles, supervise, topology
+
+    s, v = config.settings(env), config.serve_settings(env)
+    p = profiles.load(s.profile)
+    eng = engine.command(s, v, topology.choose([0], {}), None, p)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(eng.argv, env=eng.full_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, cwd="/")
+    try:
+        while not supervise.health(s.host, s.port, v.names[0], timeout=5, extra=p.health)[0]:
+            if proc.poll() is not None:
+                raise SystemExit(f"bare vllm serve exited with {proc.returncode}")
+            time.sleep(0.5)
+        return time.perf_counter() - t0
+    finally:
+        supervise.terminate(proc.pid, 20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--serve", action="store_true", help="also start the engine and time it to healthy")
+    a = ap.parse_args()
+    py = ROOT / ".venv-cpu" / "bin" / "python"
+    if not py.exists():
+        raise SystemExit("run DEVICE=cpu ./build.sh first")
+    with tempfile.TemporaryDirectory() as tmp:
+        make = timed(lambda: demo.ensure(py, Path(tmp) / "demo", ROOT))
+        floor = timed(lambda: subprocess.run([str(py), "-c", "import torch, transformers, tokenizers"], check=True))
+        print(f"(a) making the demo model: {make:.1f} s  | importing torch + transformers there: {floor:.1f} s  "
+              f"| ratio {make / floor:.1f}x")
+        env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "PROFILE", "CKPT")}
+        env.update(LOG=str(Path(tmp) / "vllm.log"), PORT="8123")
+        sh([str(ROOT / "start.sh"), "--demo", "--dry-run"], ROOT, env)  # makes the model where it is missing
+        uv = sh(["bash", "-c", "command -v uv || echo $HOME/.local/bin/uv"], ROOT, env).stdout.strip()
+        nox_py = sh([uv, "python", "find", "--script", str(ROOT / "noxfile.py")], ROOT, env).stdout.strip()
+        base = median_time(lambda: sh([nox_py, "-c", "import nox"], ROOT, env), a.repeat)
+        dry = median_time(lambda: sh([str(ROOT / "start.sh"), "--demo", "--dry-run"], ROOT, env), a.repeat)
+        print(f"(b) no-op ./start.sh --demo --dry-run, median of {a.repeat}: {dry:.2f} s  | python -c 'import nox': "
+              f"{base:.2f} s  | ratio {dry / base:.1f}x")
+        if a.serve:
+            t0 = time.perf_counter()
+            sh([str(ROOT / "start.sh"), "--demo"], ROOT, env)
+            up = time.perf_counter() - t0
+            sh([str(ROOT / "scripts" / "nox.sh"), "-s", "stop"], ROOT, env)
+            bare = bare_serve({**env, "PROFILE": "demo", "DEVICE": "cpu"})
+            print(f"(c) ./start.sh --demo to healthy (build current, model made): {up:.0f} s  | bare vllm serve of "
+                  f"the same command, polled with one-token requests: {bare:.0f} s  | ratio {up / bare:.2f}x  | "
+                  "target <= 1.05x")
+
+
+if __name__ == "__main__":
+    main()
