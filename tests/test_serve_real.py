@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +22,21 @@ import pytest
 from rig import demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+
+KEY = "demo-key-for-the-tests"
+
+
+def post(env: dict, body: dict, key: str | None = KEY) -> tuple[int, dict]:
+    """A chat completion to the served engine: (HTTP status, JSON body)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{env['PORT']}/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
 
 
 def free_port() -> int:
@@ -78,7 +94,8 @@ def served(fresh, tmp_path_factory):
     assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
     d = tmp_path_factory.mktemp("engine")
     (d / "home").mkdir()
-    env = bare_env(d / "home", LOG=str(d / "vllm.log"), PORT=str(free_port()), START_TIMEOUT="900")
+    env = bare_env(d / "home", LOG=str(d / "vllm.log"), PORT=str(free_port()), START_TIMEOUT="900",
+                   VLLM_API_KEY=KEY)
     t0 = time.monotonic()
     r = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True, text=True,
                        timeout=1800)
@@ -104,15 +121,31 @@ def test_start_demo_serves_the_real_engine_and_says_how_to_use_it(served):
     print(f"\n./start.sh --demo to healthy (builds current): {took:.0f} s")
 
 
-def test_a_chat_completion_answers_through_the_api(served):
+def test_a_chat_completion_answers_with_the_key_and_401_without_it(served):
     _, env, r, _, state = served
+    assert r.returncode == 0  # the rig's own health check sent the key: it passed
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    code, data = post(env, body)
+    assert code == 200 and data["model"] == "demo" and data["usage"]["completion_tokens"] >= 1
+    assert post(env, body, key=None)[0] == 401 and post(env, body, key="wrong")[0] == 401
+
+
+def test_the_log_reader_shows_the_real_stats_lines(served):
+    dest, env, r, _, _ = served
     assert r.returncode == 0
-    body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{env['PORT']}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        data = json.loads(resp.read())
-    assert data["model"] == "demo" and data["usage"]["completion_tokens"] >= 1
+    for _ in range(3):  # the engine writes its stats lines while it is busy, every VLLM_LOG_STATS_INTERVAL
+        post(env, {"model": "demo", "messages": [{"role": "user", "content": "count to ten"}], "max_tokens": 64})
+    time.sleep(2.5)
+    out = subprocess.run([str(dest / "vllm-logs.sh"), "--file", env["LOG"], "-n", "100000"], cwd=dest, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "could not be parsed" not in out.stderr
+    import re
+
+    gen = [float(x) for x in re.findall(r"gen\s+([\d.]+) tok/s", text)]
+    assert gen and max(gen) > 0, text[-2000:]  # real generation throughput, from the engine's own stats lines
+    assert re.search(r"run \d+\s+wait \d+\s+KV [\d.]+%\s+prefix hit [\d.]+%", text), text[-2000:]
 
 
 def test_status_reports_the_running_real_engine(served):
@@ -148,3 +181,24 @@ def test_stop_leaves_no_process_of_the_engine(served):
     while engine_processes(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not engine_processes(pgid), [p.info for p in engine_processes(pgid)]
+
+
+def test_a_checkpoint_the_engine_refuses_ends_start_with_its_own_lines_and_nothing_running(served, tmp_path):
+    """After the stop above: a max length beyond the model's is refused by vLLM itself, not by the rig."""
+    import shutil
+
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    short = tmp_path / "short"
+    shutil.copytree(Path(env["RIG_CACHE"]) / "models" / "demo", short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1024
+    (short / "config.json").write_text(json.dumps(cfg))
+    bad = {**env, "CKPT": str(short), "PORT": str(free_port()), "LOG": str(tmp_path / "refused.log")}
+    s = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=bad, capture_output=True, text=True,
+                       timeout=900)
+    assert s.returncode == 1, s.stdout + s.stderr
+    assert "before it was healthy" in s.stderr and str(tmp_path / "refused.log") in s.stderr
+    assert "max_model_len" in (s.stdout + s.stderr).lower().replace("-", "_")  # the engine's own words, shown
+    assert not (dest / ".rig" / "engine.toml").exists()
+    assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
