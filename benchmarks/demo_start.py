@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["psutil>=5.9", "requests>=2.31", "tomli-w>=1.0", "GitPython>=3.1.40"]
+# dependencies = ["psutil>=5.9", "requests>=2.31", "tomli-w>=1.0"]
 # ///
 """./start.sh --demo on this repository's CPU build (run `DEVICE=cpu ./build.sh` first).
 

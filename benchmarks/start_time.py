@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["psutil>=5.9", "tomli-w>=1.0", "GitPython>=3.1.40", "requests>=2.31", "nvidia-ml-py>=12"]
+# dependencies = ["psutil>=5.9", "tomli-w>=1.0", "requests>=2.31", "nvidia-ml-py>=12"]
 # ///
 """How long ./start.sh takes before the engine runs, and what one health check costs.
 

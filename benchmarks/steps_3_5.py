@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["GitPython>=3.1.40", "requests>=2.31", "tomli-w>=1.0", "psutil>=5.9"]
+# dependencies = ["requests>=2.31", "tomli-w>=1.0", "psutil>=5.9"]
 # ///
 """Steps 3-5 (venv, runtime, toolchain) re-run on a current venv, against `uv pip list` on the same venv.
 

@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["GitPython>=3.1.40", "requests>=2.31", "tomli-w>=1.0", "psutil>=5.9"]
+# dependencies = ["requests>=2.31", "tomli-w>=1.0", "psutil>=5.9"]
 # ///
 """The tree step on the real vLLM v0.30.0 sdist tree, against `git write-tree` of the same tree.
 
