@@ -10,7 +10,7 @@ import tomllib
 from conftest import ROOT
 
 from rig import config
-from rig.steps.pipeline import ORDER
+from rig.steps.order import ORDER
 
 WRAPPERS = ["build.sh", "start.sh", "vllm-logs.sh", "scripts/nox.sh", "scripts/gen-cuda-stub.sh"]
 

@@ -30,9 +30,6 @@ from rig.config import Settings
 from rig.console import fact, header, say
 from rig.errors import BadInput, problem
 
-#: The eight steps of the design, in pipeline order.
-ORDER = ("tools", "tree", "venv", "runtime", "toolchain", "ops", "install", "pack")
-
 
 @dataclass
 class Status:
@@ -155,6 +152,8 @@ def run(steps: Sequence[Step], s: Settings, options: Options, only: Sequence[str
     """Run (or skip) the selected steps in order; return the updated record."""
     chosen = select(steps, only)
     by_name = {st.name: st for st in steps}
+    from rig.steps.order import ORDER  # the one list of the steps (it imports this module)
+
     ctx = context(s, options)
     total = len(ORDER)
     chosen_names = {st.name for st in chosen}
