@@ -51,6 +51,7 @@ SUMS = "ops.sha256"
 TARBALLS = ("ops.tar.zst", "ops.tar.gz")
 REQUIRED = ("device", "ops_obj", "tree", "route", "arch", "python", "cuda", "torch", "glibc", "files", "bytes", "date",
             "tarball", "tarball_sha256", "compression")
+COUNTS = ("files", "bytes")  # the manifest's integer fields
 SUM_LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
 ZSTD_LEVEL = "3"
 
@@ -92,7 +93,19 @@ def read_manifest(path: Path) -> dict:
     for key in REQUIRED:
         if key not in data:
             raise Refused(f"{path}: field '{key}' is missing (expected one of the fields nox -s pack writes)")
+        kind = int if key in COUNTS else str
+        if not isinstance(data[key], kind) or isinstance(data[key], bool):
+            raise Refused(f"{path}: field '{key}': expected a {kind.__name__}, found {data[key]!r}. Fix: pack again "
+                          "with nox -s pack (the manifest was edited, or is not the rig's)")
+    if data["files"] < 1 or data["bytes"] < 1:
+        raise Refused(f"{path}: expected at least one kernel file, found files = {data['files']}, bytes = "
+                      f"{data['bytes']}. Fix: pack again from a build (./build.sh), not from an empty tree")
     return data
+
+
+def archs(text: str) -> set[str]:
+    """GPU architectures as a set: ``8.6 8.9``, ``8.6;8.9`` and ``8.6,8.9`` are the same two."""
+    return {a for a in re.split(r"[\s;,]+", text.strip()) if a}
 
 
 # -- pack ---------------------------------------------------------------------------------------------
@@ -270,7 +283,7 @@ def check_target(manifest: dict, target: dict[str, str]) -> None:
         if want is None:
             continue
         found = manifest.get(key)
-        ok = (want in str(found).split()) if key == "arch" else str(found) == str(want)
+        ok = archs(want) <= archs(str(found)) if key == "arch" else str(found) == str(want)
         if not ok:
             what = "the architectures it holds" if key == "arch" else key
             raise Refused(f"{MANIFEST}: {what}: the target needs {want!r}, the tarball has {found!r}. "

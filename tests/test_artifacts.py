@@ -193,6 +193,8 @@ CASES = {
     "manifest of another torch": lambda a: rebuild(a, honest(), manifest={"torch": "2.12.0"}),
     "manifest of another OPS_OBJ": lambda a: rebuild(a, honest(), manifest={"ops_obj": "f" * 64}),
     "kernels for the CPU given to a CUDA target": lambda a: rebuild(a, honest(), manifest={"device": "cpu"}),
+    "manifest with a wrong type": lambda a: rebuild(a, honest(), manifest={"files": "4"}),
+    "manifest of an empty pack": lambda a: rebuild(a, [], sums={}, manifest={"files": 0, "bytes": 0}),
     "manifest missing a field": lambda a: _drop_field(a, "torch"),
     "tarball edited after the pack": lambda a: (a / "ops.tar.zst").write_bytes(
         (a / "ops.tar.zst").read_bytes() + b"\0"),
@@ -206,6 +208,8 @@ WANT = {
     "manifest of another CPython": "python", "manifest of another CUDA": "cuda",
     "manifest of another torch": "torch", "manifest of another OPS_OBJ": "ops_obj",
     "kernels for the CPU given to a CUDA target": "device: the target needs 'cuda', the tarball has 'cpu'",
+    "manifest with a wrong type": "field 'files': expected a int, found '4'",
+    "manifest of an empty pack": "expected at least one kernel file, found files = 0",
     "manifest missing a field": "field 'torch' is missing", "tarball edited after the pack": "sha256 expected",
 }
 
@@ -249,3 +253,16 @@ def test_the_hostile_suite_count():
 
 def test_refusal_is_a_bad_input():
     assert issubclass(artifacts.Refused, BadInput)
+
+
+@pytest.mark.parametrize("want,held,ok", [
+    ("8.6", "8.6 9.0", True), ("8.6 8.9", "7.5 8.6 8.9 9.0", True), ("8.6;8.9", "8.6 8.9", True),
+    ("8.6,9.0", "8.6 9.0", True), ("8.6 8.9", "8.6 9.0", False), ("8.9", "8.6", False),
+])
+def test_a_multi_architecture_arch_is_compared_as_a_set(want, held, ok):
+    manifest = {"arch": held}
+    if ok:
+        artifacts.check_target(manifest, {"arch": want})
+    else:
+        with pytest.raises(artifacts.Refused, match="the architectures it holds"):
+            artifacts.check_target(manifest, {"arch": want})
