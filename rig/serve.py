@@ -79,7 +79,14 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
     v = config.serve_settings(env)
     p = profiles.load(s.profile)
     say(f"profile: {p.name} ({p.path}); the {s.device} build")
-    if not dry_run and (rec := supervise.load(s)):
+    rec = None if dry_run else supervise.load(s)
+    if rec and not supervise.server_alive(rec):
+        warn(f"an earlier engine's server (pid {rec.pid}) is gone, but processes of its group are left: "
+             f"{supervise.leftovers(rec)}; ending them before the start (they hold memory the new engine needs)")
+        supervise.terminate(rec.pgid, v.stop_timeout)
+        supervise.pid_path(s).unlink(missing_ok=True)
+        rec = None
+    if rec:
         if foreground or not s.log:
             raise BadInput(problem("the engine", "not running", f"pid {rec.pid} on {rec.host}:{rec.port}",
                                    "nox -s stop, then start again"))

@@ -59,6 +59,7 @@ class Record:
     ready: float = 0.0
     capacity: str = ""
     health: str = "{}"  # the profile's extra fields of the one-token request, as JSON
+    ckpt: str = ""  # what the API server serves: its command line names it after `serve`
 
 
 def pid_path(s: Settings) -> Path:
@@ -87,6 +88,41 @@ def load(s: Settings) -> Record | None:
         return rec
     path.unlink(missing_ok=True)
     return None
+
+
+def server_alive(rec: Record) -> bool:
+    """Whether the engine's API server still runs. The group leader is not proof: the log writer outlives a
+    killed server while EngineCore keeps its output pipe open, so the server is found by its command line
+    (``serve CKPT``) among the group's members; EngineCore and the workers rename themselves ``VLLM::...``."""
+    import psutil
+
+    if not rec.ckpt:  # a record of an older rig: the leader is all it knows
+        try:
+            return abs(psutil.Process(rec.pid).create_time() - rec.create_time) < 1.0
+        except psutil.NoSuchProcess:
+            return False
+    for pid in group_members(rec.pgid):
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        # [python,] .../vllm serve CKPT ...: the log writer also names them, after its own arguments
+        if "serve" in cmd[:3] and rec.ckpt in cmd[cmd.index("serve"):]:
+            return True
+    return False
+
+
+def leftovers(rec: Record) -> str:
+    """The engine processes left in the group of a dead server, as ``pid (name)`` for a message."""
+    import psutil
+
+    names = []
+    for pid in group_members(rec.pgid):
+        try:
+            names.append(f"{pid} ({psutil.Process(pid).name()})")
+        except psutil.NoSuchProcess:
+            continue
+    return ", ".join(names)
 
 
 def save(s: Settings, rec: Record) -> None:
@@ -234,7 +270,8 @@ def start(launch: Launch) -> int:
                                 start_new_session=True)
         rec = Record(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid), started=time.time(),
                      host=s.host, port=s.port, model=v.names[0], log=s.log,
-                     supervisor=os.getpid() if launch.foreground else 0, health=json.dumps(launch.health))
+                     supervisor=os.getpid() if launch.foreground else 0, health=json.dumps(launch.health),
+                     ckpt=str(s.ckpt))
         save(s, rec)
     lines = _Lines(Path(s.log) if s.log else None, offset, proc.stdout)
     say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
@@ -411,6 +448,10 @@ def status(s: Settings, v: Serve) -> int:
     if rec is None:
         say(f"not running (no live engine in {pid_path(s)})")
         return 3
+    if not server_alive(rec):
+        say(f"the engine's server (pid {rec.pid}) is gone, but processes of its group are left: {leftovers(rec)}")
+        error("they still hold their memory (and GPU memory on a GPU box); nox -s stop ends them, then ./start.sh")
+        return 1
     ok, detail = health(rec.host, rec.port, rec.model, v.api_key, timeout=30, extra=json.loads(rec.health))
     capacity = rec.capacity or (_capacity_from_log(rec.log) if rec.log else "")
     mode = f"foreground under pid {rec.supervisor}" if rec.supervisor else "detached"

@@ -144,6 +144,8 @@ def test_a_child_that_outlives_the_server_is_not_left_behind(rig_env):
     os.kill(rec["pid"], signal.SIGKILL)  # the server alone, as a careless kill would
     time.sleep(0.3)
     assert alive(child)  # like vLLM's EngineCore: still there, still holding its GPU memory
+    st = run_rig(env, "status")
+    assert st.code == 1 and "is gone, but processes of its group are left" in st.out and str(child) in st.out
     sp = run_rig(env, "stop")
     assert sp.code == 0, sp.text
     assert not alive(child) and not supervise.group_members(rec["pgid"])
@@ -415,3 +417,21 @@ def test_a_key_on_an_open_host_says_what_the_key_does_not_guard(rig_env):
                 "--skip-box-check")
     assert r.code == 0, r.text
     assert "guards only vLLM's /v1 routes" in r.err and "/metrics" in r.err and r.err.count("guards only") == 1
+
+
+def test_the_next_start_finds_the_leftovers_of_a_killed_server_and_ends_them(rig_env):
+    env = {**rig_env, "DOUBLE_CHILD": "1"}
+    assert start(env).code == 0
+    rec = record(env)
+    leader = supervise.load(config.settings(env)).pid
+    child = next(p for p in supervise.group_members(rec["pgid"]) if p not in (rec["pid"], leader))
+    os.kill(rec["pid"], signal.SIGKILL)
+    time.sleep(0.3)
+    again = start({**env, "DOUBLE_CHILD": "0"})
+    try:
+        assert again.code == 0, again.text
+        assert "is gone, but processes of its group are left" in again.err and str(child) in again.err
+        assert "ending them before the start" in again.err and not alive(child)
+        assert "ready in" in again.out
+    finally:
+        run_rig(env, "stop")

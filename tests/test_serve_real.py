@@ -202,3 +202,31 @@ def test_a_checkpoint_the_engine_refuses_ends_start_with_its_own_lines_and_nothi
     assert "max_model_len" in (s.stdout + s.stderr).lower().replace("-", "_")  # the engine's own words, shown
     assert not (dest / ".rig" / "engine.toml").exists()
     assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
+
+
+def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_ends_it(served):
+    """vLLM issue 55510: kill -9 of the API server alone leaves VLLM::EngineCore and its worker, holding memory."""
+    import signal
+
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    again = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    rec = tomllib_load(dest / ".rig" / "engine.toml")
+    server = next(p for p in psutil.process_iter(["pid", "cmdline"])
+                  if os_pgid(p.pid) == rec["pgid"] and "serve" in (p.info["cmdline"] or [])[:3])
+    server.send_signal(signal.SIGKILL)
+    server.wait(30)
+    time.sleep(2)
+    left = engine_processes(rec["pgid"])
+    assert any("VLLM::" in (p.info["name"] or "") for p in left), [p.info for p in left]  # what vLLM leaves
+    st = nox(dest, env, "-s", "status")
+    assert st.returncode == 1 and "is gone, but processes of its group are left" in st.stdout, st.stdout + st.stderr
+    assert "VLLM::" in st.stdout
+    sp = nox(dest, env, "-s", "stop")
+    assert sp.returncode == 0 and "no process of it is left" in sp.stdout, sp.stdout + sp.stderr
+    deadline = time.monotonic() + 10
+    while engine_processes(rec["pgid"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine_processes(rec["pgid"])
