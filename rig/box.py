@@ -169,12 +169,12 @@ def host_checks(s: Settings, p: Profile) -> list[Check]:
         out.append(Check("CPU cores", "pass" if cores >= profile.cores else "fail", f">= {profile.cores}",
                          str(cores), f"run {p.name} on a box with more cores"))
     if profile.cpu_flags:
-        from rig.steps.tools import CPUINFO
-        text = CPUINFO.read_text() if CPUINFO.exists() else ""
-        flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
-        lacking = [f for f in profile.cpu_flags if f not in flags]
+        from rig.steps.tools import cpu_flags
+
+        lacking = [f for f in profile.cpu_flags if f not in cpu_flags()]
         out.append(Check("CPU flags", "fail" if lacking else "pass", " ".join(profile.cpu_flags),
-                         f"missing {' '.join(lacking)}" if lacking else "present", "use an x86-64 CPU with AVX2"))
+                         f"missing {' '.join(lacking)}" if lacking else "present",
+                         f"serve {p.name} on a CPU with {' '.join(lacking)}"))
     ram = psutil.virtual_memory().total / 2**30
     out.append(Check("RAM", "pass" if ram >= profile.ram_gib else "fail", f">= {profile.ram_gib:.0f} GiB",
                      f"{ram:.1f} GiB", f"add memory (the {p.name} profile's [box] ram_gib)"))

@@ -115,9 +115,15 @@ def fingerprint(s: Settings, uv: str | None) -> str:
 CPUINFO = Path("/proc/cpuinfo")
 
 
-def cpu_problem(cpuinfo: str) -> str | None:
-    """Why this CPU cannot run vLLM's CPU kernels (they need AVX2 at least), or None."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """The CPU's flags, from ``cpuinfo`` text (default: this machine's)."""
+    if cpuinfo is None:
+        cpuinfo = CPUINFO.read_text() if CPUINFO.exists() else ""
+    return next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+
+
+def cpu_problem(flags: list[str]) -> str | None:
+    """Why a CPU with ``flags`` cannot run vLLM's CPU kernels (they need AVX2 at least), or None."""
     if "avx2" in flags:
         return None
     return problem("the CPU (DEVICE=cpu)", "the avx2 flag in /proc/cpuinfo (vLLM's CPU kernels need AVX2 at "
@@ -126,7 +132,7 @@ def cpu_problem(cpuinfo: str) -> str | None:
 
 
 def check_cpu(s: Settings) -> None:
-    if s.device == "cpu" and (why := cpu_problem(CPUINFO.read_text() if CPUINFO.exists() else "")):
+    if s.device == "cpu" and (why := cpu_problem(cpu_flags())):
         raise BadInput(why)
 
 
