@@ -131,7 +131,8 @@ def test_nvml_reading_and_doctor_on_the_real_driver() -> None:
 
     lines = box.doctor(config.settings({"CUDA_VISIBLE_DEVICES": ""}), profiles.load("reference"))
     print("\n".join(lines))
-    assert lines[0].startswith("driver ") and any(ln.startswith("pass  GPUs") or "GPUs" in ln for ln in lines)
+    assert lines[0].startswith("profile reference") and any(ln.startswith("driver ") for ln in lines)
+    assert any(ln.startswith("pass  GPUs") or "GPUs" in ln for ln in lines)
 
 
 def _write(path: Path, text: str) -> Path:
