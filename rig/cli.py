@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from rig import config
 from rig.console import guard
@@ -43,7 +43,7 @@ def build(argv: Sequence[str]) -> int:
     p.add_argument("--verify", action="store_true", help="re-hash the build products instead of the fast check")
     p.add_argument("--no-pack", action="store_true", help="skip step 8, the kernel pack (PACK=0)")
     a = p.parse_args(argv)
-    return _guard(lambda: _run(a.only, a.force, a.accept, a.verify, not a.no_pack, "build"))
+    return guard(lambda: _run(a.only, a.force, a.accept, a.verify, not a.no_pack, "build"))
 
 
 def tree(argv: Sequence[str]) -> int:
@@ -53,7 +53,7 @@ def tree(argv: Sequence[str]) -> int:
                    help="record the tree the series builds as the expected one in series.toml")
     p.add_argument("--force", action="store_true", help="re-apply the series even when the tree is current")
     a = p.parse_args(argv)
-    return _guard(lambda: _run(["tree"], a.force, a.accept, False, True, "tree"))
+    return guard(lambda: _run(["tree"], a.force, a.accept, False, True, "tree"))
 
 
 def pack(argv: Sequence[str]) -> int:
@@ -62,7 +62,7 @@ def pack(argv: Sequence[str]) -> int:
     p.add_argument("--force", action="store_true", help="pack again even when artifacts/ is current")
     p.add_argument("--verify", action="store_true", help="re-hash the tarball when checking artifacts/")
     a = p.parse_args(argv)
-    return _guard(lambda: _run(["pack"], a.force, False, a.verify, True, "pack"))
+    return guard(lambda: _run(["pack"], a.force, False, a.verify, True, "pack"))
 
 
 def verify(argv: Sequence[str]) -> int:
@@ -89,7 +89,7 @@ def verify(argv: Sequence[str]) -> int:
         print(f"verify: {src} fits this target ({', '.join(f'{k} {v}' for k, v in target.items())}); {n} files")
         return 0
 
-    return _guard(go)
+    return guard(go)
 
 
 def logs(argv: Sequence[str]) -> int:
@@ -108,7 +108,7 @@ def logs(argv: Sequence[str]) -> int:
         a = p.parse_args(argv)
         return reader.show(s, a.follow, a.lines, a.since, a.file)
 
-    return _guard(go)
+    return guard(go)
 
 
 def doctor(argv: Sequence[str]) -> int:
@@ -123,7 +123,7 @@ def doctor(argv: Sequence[str]) -> int:
         print("\n".join(box.doctor(s, profiles.load(s.profile))))
         return 0
 
-    return _guard(go)
+    return guard(go)
 
 
 def _serve_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -163,7 +163,7 @@ def start(argv: Sequence[str]) -> int:
         return serve.start(env, foreground=a.foreground, dry_run=a.dry_run, build=not a.no_build,
                            box_check=not a.skip_box_check, clear_cache=a.clear_cache, demo_model=a.demo)
 
-    return _guard(go)
+    return guard(go)
 
 
 def stop(argv: Sequence[str]) -> int:
@@ -176,7 +176,7 @@ def stop(argv: Sequence[str]) -> int:
 
         return supervise.stop(config.settings(), config.serve_settings())
 
-    return _guard(go)
+    return guard(go)
 
 
 def status(argv: Sequence[str]) -> int:
@@ -189,7 +189,7 @@ def status(argv: Sequence[str]) -> int:
 
         return supervise.status(config.settings(), config.serve_settings())
 
-    return _guard(go)
+    return guard(go)
 
 
 def service(argv: Sequence[str]) -> int:
@@ -202,7 +202,7 @@ def service(argv: Sequence[str]) -> int:
     p.add_argument("--root", help="write under this prefix instead of / (default: DESTDIR, else /)")
     p.add_argument("-n", "--lines", type=int, default=200, help="logs: start from the last N lines")
     a = p.parse_args(argv)
-    return _guard(lambda: svc.run(config.settings(), a.verb, a.root, a.lines))
+    return guard(lambda: svc.run(config.settings(), a.verb, a.root, a.lines))
 
 
 def patches(argv: Sequence[str]) -> int:
@@ -231,14 +231,14 @@ def patches(argv: Sequence[str]) -> int:
             return tool.rebase(ctx, a.version, a.keep_going, a.out.resolve() if a.out else None)
         return tool.new(ctx, a.name)
 
-    return _guard(go)
+    return guard(go)
 
 
 def bench(argv: Sequence[str]) -> int:
     """``benchmarks/bench.sh``: llama-benchy against the served model; results saved, compared, plotted."""
     from rig import bench as tool
 
-    return _guard(lambda: tool.main(list(argv)))
+    return guard(lambda: tool.main(list(argv)))
 
 
 def lock(argv: Sequence[str]) -> int:
@@ -254,7 +254,7 @@ def lock(argv: Sequence[str]) -> int:
         runtime.lock_main(ctx.settings, ctx.uv, ctx.series.version)
         return 0
 
-    return _guard(go)
+    return guard(go)
 
 
 def _run(only, force, accept, verify, pack, what) -> int:
@@ -263,10 +263,6 @@ def _run(only, force, accept, verify, pack, what) -> int:
     with pipeline.BuildLock(s, what):
         pipeline.run(steps(), s, opts, only)
     return 0
-
-
-def _guard(fn: Callable[[], int]) -> int:
-    return guard(fn)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -33,8 +33,7 @@ def error(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
-def guard(fn: Callable[[], int], interrupted: str = "interrupted; nothing half-done is trusted by the next run"
-          ) -> int:
+def guard(fn: Callable[[], int]) -> int:
     """Run an entry point: a :class:`RigError` becomes one ``error:`` line and its exit code (2 bad input, 1 the
     work failed); Ctrl-C becomes 130. Every command of the rig ends through here."""
     try:
@@ -43,5 +42,5 @@ def guard(fn: Callable[[], int], interrupted: str = "interrupted; nothing half-d
         error(exc.message)
         return exc.code
     except KeyboardInterrupt:
-        error(interrupted)
+        error("interrupted; nothing half-done is trusted by the next run")
         return 130

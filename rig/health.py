@@ -46,7 +46,7 @@ def health(host: str, port: int, model: str, api_key: str = "", timeout: float =
 
 
 def port_open(host: str, port: int) -> bool:
-
+    """Whether something listens there yet: the engine binds its port only once it has loaded."""
     try:
         with socket.create_connection((connect_host(host), port), timeout=0.5):
             return True

@@ -123,11 +123,7 @@ def _files_of(patch: Path) -> list[str]:
 def _scratch_base(s: config.Settings, sr: series.Series, where: Path) -> worktree.Built:
     """The base of ``sr`` in a scratch repository: from vllm/ when it holds that base, else fetched."""
     rec = worktree.read_record(s.vllm_dir) if s.vllm_dir.exists() else None
-    repo = Git(s.vllm_dir)
-    if rec is not None and rec.tag == sr.tag and not s.fetch and repo.rev(rec.base):
-        repo.run("worktree", "add", "--quiet", "--detach", str(where), rec.base)
-        return worktree.Built(where, Git(where), rec.source, rec.origin, rec.base, "", "", repo)
-    return worktree.fresh_base(s, sr, where, accept=True)  # inspected, not compared
+    return worktree.base(s, sr, Git(s.vllm_dir), rec, where, accept=True)  # inspected, not compared
 
 
 def check(ctx: Context) -> int:

@@ -134,9 +134,6 @@ class BuildRecord:
     pack: Pack | None = None
     at: dict[str, str] = field(default_factory=dict)
 
-    def get(self, step: str) -> object | None:
-        return getattr(self, step)
-
     def put(self, step: str, outputs: object) -> bool:
         """Keep a step's outputs; True when they changed (the file then needs writing)."""
         if not isinstance(outputs, TYPES[step]):

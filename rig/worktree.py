@@ -118,13 +118,7 @@ def clean_stale(vllm_dir: Path, repo: Git | None) -> None:
 def build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: TreeRecord | None,
            accept: bool) -> Built:
     """The base plus the series, in scratch; vllm/ is not touched."""
-    scratch = scratch_path(s.vllm_dir)
-    if reusable(s, sr, rec, accept) and repo.rev(rec.base):
-        say(f"base: {rec.tag} from the {rec.source} ({rec.base[:12]}), already in {s.vllm_dir}")
-        repo.run("worktree", "add", "--quiet", "--detach", str(scratch), rec.base)
-        built = Built(scratch, Git(scratch), rec.source, rec.origin, rec.base, "", "", repo)
-    else:
-        built = fresh_base(s, sr, scratch, accept)
+    built = base(s, sr, repo, rec, scratch_path(s.vllm_dir), accept)
     try:
         apply(built.repo, files, s.patches_dir)
         built.head = built.repo.rev("HEAD") or ""
@@ -135,9 +129,19 @@ def build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: Tre
     return built
 
 
+def base(s: Settings, sr: series.Series, repo: Git, rec: TreeRecord | None, scratch: Path, accept: bool) -> Built:
+    """The series' base in ``scratch``: a worktree of vllm/ when it holds that base, else fetched afresh."""
+    if reusable(s, sr, rec, accept) and repo.rev(rec.base):
+        say(f"base: {rec.tag} from the {rec.source} ({rec.base[:12]}), already in {s.vllm_dir}")
+        repo.run("worktree", "add", "--quiet", "--detach", str(scratch), rec.base)
+        return Built(scratch, Git(scratch), rec.source, rec.origin, rec.base, "", "", repo)
+    return fresh_base(s, sr, scratch, accept)
+
+
 def reusable(s: Settings, sr: series.Series, rec: TreeRecord | None, accept: bool) -> bool:
-    """Whether the base already in vllm/ serves: same source, and (auto) one series.toml has a tree for."""
-    if rec is None or s.fetch:
+    """Whether the base already in vllm/ serves: the series' tag, the same source, and (auto) one series.toml
+    has a tree for."""
+    if rec is None or s.fetch or rec.tag != sr.tag:
         return False
     if s.source != "auto":
         return s.source == rec.source
