@@ -70,14 +70,16 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     && python3 -m rig.container target
 
 # Route 1: the rig's verify (standard library only) checks the tarball against this image's tree (OPS_OBJ),
-# ARCH, CPython, CUDA and torch, and every file's sha256, before it installs anything; a tarball from
+# ARCH, CPython, CUDA and torch, its files against the precompiled kernels' list kept beside the series
+# (patches/precompiled/), and every file's sha256, before it installs anything; a tarball from
 # another tree stops the build naming the item. The kernels are then recorded as the ops step's products
 # and vllm is installed editable without a compile. An empty `ops` context leaves the kernels to route 2.
 RUN --mount=type=bind,from=ops,target=/ops \
     --mount=type=cache,target=/root/.cache/uv \
     if [ -z "$(find /ops -mindepth 1 -maxdepth 1 -print -quit)" ]; then \
         echo "route 2: the ops context is empty, so ./build.sh makes the kernels"; exit 0; fi \
-    && python3 -m rig.artifacts verify --artifacts /ops --dest "$VLLM_DIR" \
+    && EXPECT="$(python3 -m rig.container fact expect)" \
+    && python3 -m rig.artifacts verify --artifacts /ops --dest "$VLLM_DIR" ${EXPECT:+--expect "$EXPECT"} \
         --device "$(python3 -m rig.container fact device)" \
         --ops-obj "$(python3 -m rig.container fact ops_obj)" --arch "$ARCH" \
         --python "$(python3 -m rig.container fact python)" --cuda "$(python3 -m rig.container fact cuda)" \

@@ -77,7 +77,7 @@ def stop(session: nox.Session) -> None:
 
 @nox.session(**WORK)
 def status(session: nox.Session) -> None:
-    """Report the engine: pid, uptime, port, health (one-token generation), KV cache line."""
+    """Report the engine: pid, uptime, port, health (one-token generation), hang watchdog, KV cache line."""
     _rig(session, "status")
 
 

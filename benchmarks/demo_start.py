@@ -10,7 +10,12 @@
     transformers and torch in the same venv (the floor of any checkpoint made there);
 (b) the no-op `./start.sh --demo --dry-run` (build current, model made), median of N, against
     `python -c 'import nox'` with the interpreter the wrapper runs nox with;
-(c) with --serve: `./start.sh --demo` to healthy, then `nox -s stop` (port 8123, log in a temp folder).
+(c) with --serve: `./start.sh --demo` to healthy, then `nox -s stop` (port 8123, log in a temp folder),
+    against a bare `vllm serve` of the same command polled with one-token requests;
+(d) with --serve, on that engine: the health check's cost per probe (a one-token generation), against
+    GET /v1/models (a probe that generates nothing), median of 20 each;
+(e) with --serve: the demo model's bench figures, `benchmarks/bench.sh 128 16 "1 4"` (llama-benchy 0.4.0):
+    prefill and decode t/s at concurrency 1 and 4 (reported, not a target).
 """
 
 from __future__ import annotations
@@ -54,6 +59,55 @@ def bare_serve(env: dict[str, str]) -> float:
         supervise.terminate(proc.pid, 20)
 
 
+def probe_cost(env: dict[str, str]) -> None:
+    """(d): the rig's health probe against the cheapest request the server answers, on the running engine."""
+    import http.client
+    import statistics
+
+    from rig.health import health
+
+    port = int(env["PORT"])
+
+    def models() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/v1/models")
+        conn.getresponse().read()
+        conn.close()
+
+    def probe() -> None:
+        ok, detail = health("127.0.0.1", port, "demo", timeout=30)
+        if not ok:
+            raise SystemExit(f"the health probe failed: {detail}")
+
+    times = {}
+    for name, fn in (("models", models), ("probe", probe)):
+        fn()  # warm
+        samples = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        times[name] = statistics.median(samples)
+    print(f"(d) the health check (a one-token generation), median of 20: {times['probe'] * 1e3:.1f} ms per probe  | "
+          f"GET /v1/models: {times['models'] * 1e3:.1f} ms  | ratio {times['probe'] / times['models']:.1f}x")
+
+
+def bench_figures(env: dict[str, str], results: Path) -> None:
+    """(e): bench.sh against the demo engine; its table's prefill and decode t/s at concurrency 1 and 4."""
+    r = sh([str(ROOT / "benchmarks" / "bench.sh"), "128", "16", "1 4", "0", "--runs", "1", "--skip-coherence",
+            "--results-dir", str(results)], ROOT, {**env, "PROFILE": "demo"})
+    folder = Path(next(ln for ln in r.stdout.splitlines() if ln.startswith("results: ")).removeprefix("results: "))
+    rows = {}
+    for ln in (folder / "results.md").read_text().splitlines():
+        cols = [c.strip() for c in ln.strip().strip("|").split("|")]
+        if len(cols) == 9 and cols[0].isdigit():
+            rows[int(cols[0])] = (float(cols[3].split()[0]), float(cols[5].split()[0]))
+    line = "  | ".join(f"c={c}: prefill {pp:.0f} t/s, decode {tg:.1f} t/s" for c, (pp, tg) in sorted(rows.items()))
+    ratio = rows[4][1] / rows[1][1] if 1 in rows and 4 in rows and rows[1][1] else 0.0
+    print(f"(e) the demo model, bench.sh 128 16 '1 4' (llama-benchy 0.4.0): {line}  | decode c=4 / c=1: "
+          f"{ratio:.1f}x (reported, not a target)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
@@ -80,7 +134,11 @@ def main() -> None:
             t0 = time.perf_counter()
             sh([str(ROOT / "start.sh"), "--demo"], ROOT, env)
             up = time.perf_counter() - t0
-            sh([str(ROOT / "scripts" / "nox.sh"), "-s", "stop"], ROOT, env)
+            try:
+                probe_cost(env)
+                bench_figures(env, Path(tmp) / "results")
+            finally:
+                sh([str(ROOT / "scripts" / "nox.sh"), "-s", "stop"], ROOT, env)
             bare = bare_serve({**env, "PROFILE": "demo", "DEVICE": "cpu"})
             print(f"(c) ./start.sh --demo to healthy (build current, model made): {up:.0f} s  | bare vllm serve of "
                   f"the same command, polled with one-token requests: {bare:.0f} s  | ratio {up / bare:.2f}x  | "

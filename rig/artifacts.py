@@ -9,15 +9,8 @@ the old complete set or nothing a later run trusts):
 * ``ops.sha256``: one sha256 per file, the format ``sha256sum -c`` reads;
 * ``manifest.toml``: what the kernels were built for.
 
-``verify`` is the gate of the container build, so it needs only Python's
-standard library (plus the ``zstd`` program for a ``.tar.zst``). Before it
-extracts anything it inspects every member (regular files and folders only,
-each file in the sha256 list, no absolute names, no ``..``, no links,
-devices or FIFOs, no duplicates, sizes within the manifest's totals), then
-extracts with tarfile's ``data`` filter into a temporary folder, re-hashes
-every file and only then moves the result into place. CPython 3.11.7 and
-3.13.0 predate the 2025 fixes for tar-filter bypasses; the inspection is what
-makes extraction safe. Nothing is installed on any failure.
+``verify`` (rig/verify.py) checks a tarball against what this tree needs
+and installs it, all or nothing.
 
   python3 -m rig.artifacts verify --help
 """
@@ -26,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import os
 import posixpath
 import re
@@ -34,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import tomllib
 from collections.abc import Iterator
@@ -123,8 +114,6 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
     names = sorted(sums)
     total = sum((vllm_dir / n).stat().st_size for n in names)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".*.tmp"):  # left by a pack that was killed; never part of a set
-        stale.unlink(missing_ok=True)
     zstd = shutil.which("zstd") if compression in (None, "zstd") else None
     if compression == "zstd" and not zstd:
         raise WorkFailed("packing with zstd needs the zstd program. Fix: apt-get install -y zstd")
@@ -216,67 +205,6 @@ def current(out: Path, facts: dict, sums_text: str, rehash: bool = False) -> str
 # -- verify ---------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def _open_tar(path: Path) -> Iterator[tarfile.TarFile]:
-    """The tarball as a stream, whatever it is compressed with; a corrupt stream is refused."""
-    if path.name.endswith(".zst"):
-        zstd = shutil.which("zstd")
-        if not zstd:
-            raise Refused(f"{path.name}: needs the zstd program to read (apt-get install -y zstd)")
-        proc = subprocess.Popen([zstd, "-dc", "-q", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert proc.stdout
-        try:
-            with tarfile.open(fileobj=proc.stdout, mode="r|", bufsize=1 << 20) as tf:
-                yield tf
-            proc.stdout.read()
-        finally:
-            proc.stdout.close()
-            err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-            if proc.wait() != 0:
-                raise Refused(f"{path.name}: truncated or corrupt ({err or f'zstd exit {proc.returncode}'})")
-    else:
-        with tarfile.open(path, mode="r|gz", bufsize=1 << 20) as tf:
-            yield tf
-
-
-def inspect(tar: Path, sums: dict[str, str], manifest: dict) -> int:
-    """Check every member header before anything is extracted; return the file count."""
-    seen: set[str] = set()
-    files = size = 0
-    try:
-        with _open_tar(tar) as tf:
-            for m in tf:
-                name = m.name.rstrip("/") if m.isdir() else m.name
-                kind = ("symlink" if m.issym() else "hard link" if m.islnk() else "device" if m.isdev() and not
-                        m.isfifo() else "FIFO" if m.isfifo() else None)
-                if kind:
-                    raise Refused(f"{tar.name}: member {m.name!r} is a {kind}; only regular files and folders "
-                                  "are allowed")
-                if not (m.isfile() or m.isdir()):
-                    raise Refused(f"{tar.name}: member {m.name!r} has type {m.type!r}; only files and folders")
-                if not _clean(name):
-                    raise Refused(f"{tar.name}: member {m.name!r} is not a clean relative name "
-                                  "(absolute, '..' or odd characters)")
-                if name in seen:
-                    raise Refused(f"{tar.name}: member {m.name!r} appears twice")
-                seen.add(name)
-                if m.isfile():
-                    if name not in sums:
-                        raise Refused(f"{tar.name}: member {m.name!r} is not in {SUMS}")
-                    files += 1
-                    size += m.size
-                    if files > manifest["files"] or size > manifest["bytes"]:
-                        raise Refused(f"{tar.name}: member {m.name!r} goes past the manifest's totals "
-                                      f"({manifest['files']} files, {manifest['bytes']} bytes)")
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise Refused(f"{tar.name}: truncated or corrupt ({type(exc).__name__}: {exc})") from None
-    missing = sorted(set(sums) - seen)
-    if missing:
-        raise Refused(f"{tar.name}: {missing[0]} is in {SUMS} but not in the tarball"
-                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    return files
-
-
 def check_target(manifest: dict, target: dict[str, str]) -> None:
     """The manifest against what it is to be installed into; the first mismatch names the item."""
     for key, want in target.items():
@@ -290,70 +218,27 @@ def check_target(manifest: dict, target: dict[str, str]) -> None:
                           "Fix: pack again for this target (./build.sh), or build with the compile route")
 
 
-def verify(artifacts: Path, dest: Path, target: dict[str, str]) -> int:
-    """Check the set in ``artifacts`` against ``target`` and install its files under ``dest``; return the count."""
-    manifest = read_manifest(artifacts / MANIFEST)
-    check_target(manifest, target)
-    tar = artifacts / str(manifest["tarball"])
-    if manifest["tarball"] not in TARBALLS or not tar.exists():
-        raise Refused(f"{MANIFEST}: tarball {manifest['tarball']!r} is not in {artifacts}")
-    found = sha256_file(tar)
-    if found != manifest["tarball_sha256"]:
-        raise Refused(f"{tar.name}: sha256 expected {manifest['tarball_sha256']} (the manifest), found {found}")
-    sums = read_sums(artifacts / SUMS)
-    n = inspect(tar, sums, manifest)
-    dest.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".rig-verify-", dir=dest))
-    try:
-        _extract_hashed(tar, tmp, sums)
-        for name in sorted(sums):  # every file checked: now, and only now, into place
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp / name, dest / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return n
-
-
-def _extract_hashed(tar: Path, tmp: Path, sums: dict[str, str]) -> None:
-    """Extract into ``tmp`` member by member through tarfile's ``data`` filter, hashing as each file is written."""
-    try:
-        with _open_tar(tar) as tf:
-            for member in tf:
-                m = tarfile.data_filter(member, str(tmp))  # raises on anything the filter refuses
-                path = tmp / m.name
-                if m.isdir():
-                    path.mkdir(parents=True, exist_ok=True)
-                    continue
-                path.parent.mkdir(parents=True, exist_ok=True)
-                src = tf.extractfile(member)
-                assert src is not None
-                h = hashlib.sha256()
-                with open(path, "wb") as out:
-                    while chunk := src.read(1 << 20):
-                        h.update(chunk)
-                        out.write(chunk)
-                os.chmod(path, m.mode if m.mode is not None else 0o644)
-                if h.hexdigest() != sums[m.name]:
-                    raise Refused(f"{tar.name}: member {m.name!r} has sha256 {h.hexdigest()}, {SUMS} says "
-                                  f"{sums[m.name]}")
-    except tarfile.TarError as exc:
-        raise Refused(f"{tar.name}: extraction refused ({exc})") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m rig.artifacts", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="check a kernels tarball against a target and install it")
     v.add_argument("--artifacts", type=Path, required=True, help="the folder with manifest.toml, ops.sha256, ops.tar.*")
     v.add_argument("--dest", type=Path, required=True, help="the source tree to install the kernels into")
-    for key in ("device", "ops-obj", "tree", "arch", "python", "cuda", "torch"):
+    v.add_argument("--expect", type=Path, help="this tree's kernels: the ops step's record (vllm/.build-products) "
+                   "or the precompiled route's list (patches/precompiled-<device>.list); the tarball must hold "
+                   "exactly these files")
+    for key in ("device", "ops-obj", "tree", "route", "arch", "python", "cuda", "torch"):
         v.add_argument(f"--{key}", help=f"the target's {key} (checked against the manifest)")
     a = ap.parse_args(argv)
-    target = {"device": a.device, "ops_obj": a.ops_obj, "tree": a.tree, "arch": a.arch, "python": a.python,
-              "cuda": a.cuda, "torch": a.torch}
+    target = {"device": a.device, "ops_obj": a.ops_obj, "tree": a.tree, "route": a.route, "arch": a.arch,
+              "python": a.python, "cuda": a.cuda, "torch": a.torch}
+
     def go() -> int:
-        n = verify(a.artifacts, a.dest, target)
-        print(f"verified and installed {n} files into {a.dest}")
+        from rig import verify
+
+        expected = verify.read_expected(a.expect) if a.expect else None
+        n, against = verify.verify(a.artifacts, a.dest, target, expected, say=print)
+        print(f"verified and installed {n} files into {a.dest}; the file set checked against {against}")
         return 0
 
     return guard(go)

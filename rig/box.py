@@ -37,6 +37,9 @@ class Gpu:
     pcie_width_max: int
     power_limit_mw: int
     compute_processes: list[int] = field(default_factory=list)
+    # pid -> bytes NVML counts to that process on this card; a pid absent is unknown (usedGpuMemory is None
+    # on some drivers, e.g. under MIG or in a container).
+    process_memory: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +75,7 @@ def read_nvml() -> Reading:
                     return default
 
             name = nv.nvmlDeviceGetName(h)
+            procs = opt(nv.nvmlDeviceGetComputeRunningProcesses, h, default=[])
             bus = nv.nvmlDeviceGetPciInfo(h).busId
             gpus.append(Gpu(
                 index=i, name=name.decode() if isinstance(name, bytes) else name,
@@ -83,7 +87,8 @@ def read_nvml() -> Reading:
                 pcie_width_cur=opt(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
                 pcie_width_max=opt(nv.nvmlDeviceGetMaxPcieLinkWidth, h),
                 power_limit_mw=opt(nv.nvmlDeviceGetEnforcedPowerLimit, h),
-                compute_processes=[p.pid for p in opt(nv.nvmlDeviceGetComputeRunningProcesses, h, default=[])],
+                compute_processes=[p.pid for p in procs],
+                process_memory={p.pid: p.usedGpuMemory for p in procs if getattr(p, "usedGpuMemory", None) is not None},
             ))
         p2p = {}
         for a, b in itertools.permutations(range(len(handles)), 2):
@@ -99,13 +104,27 @@ def read_nvml() -> Reading:
         nv.nvmlShutdown()
 
 
+def _processes(d: dict) -> tuple[list[int], dict[int, int]]:
+    """A recorded card's ``compute_processes``: pids, or NVML's own records ``{"pid", "used_gpu_memory"}``
+    (``used_gpu_memory`` null or absent: unknown)."""
+    pids, memory = [], {}
+    for p in d.get("compute_processes", []):
+        if isinstance(p, dict):
+            pids.append(int(p["pid"]))
+            if p.get("used_gpu_memory") is not None:
+                memory[int(p["pid"])] = int(p["used_gpu_memory"])
+        else:
+            pids.append(int(p))
+    return pids, memory
+
+
 def reading_from_json(data: dict) -> Reading:
     """A recorded NVML reading (the shape of shared/reference/nvml-h200.json) for tests and bug reports."""
     gpus = [Gpu(index=d["index"], name=d["name"], pci_bus_id=d["pci_bus_id"], memory_total=d["memory_total"],
                 memory_used=d["memory_used"], compute_capability=tuple(d["compute_capability"]),
                 pcie_gen_cur=d["pcie_gen_cur"], pcie_gen_max=d["pcie_gen_max"], pcie_width_cur=d["pcie_width_cur"],
                 pcie_width_max=d["pcie_width_max"], power_limit_mw=d.get("enforced_power_limit_mw", 0),
-                compute_processes=list(d.get("compute_processes", []))) for d in data["devices"]]
+                compute_processes=_processes(d)[0], process_memory=_processes(d)[1]) for d in data["devices"]]
     p2p = {(int(a), int(b)): s for key, s in data.get("p2p", {}).items() for a, b in [key.split("-")]}
     return Reading(data["driver"], data["cuda_driver"], gpus, p2p)
 
@@ -130,7 +149,9 @@ def visible(reading: Reading, spec: str) -> list[Gpu]:
     return [by_pos[i] for i in want if i in by_pos]
 
 
-def gpu_checks(reading: Reading | None, s: Settings, profile: Box, why: str = "") -> list[Check]:
+def gpu_checks(reading: Reading | None, s: Settings, profile: Box, why: str = "", gpu_wait: int = 0) -> list[Check]:
+    """The card checks; ``gpu_wait`` > 0 (start with GPU_WAIT on): a busy card only warns, the free-GPU gate
+    (rig/gpugate.py) waits for it before the engine starts."""
     if reading is None:
         return [Check("NVIDIA driver", "fail", "NVML (the driver's libnvidia-ml.so.1)", f"none ({why})",
                       "install the NVIDIA driver, or run on the GPU host")]
@@ -151,9 +172,12 @@ def gpu_checks(reading: Reading | None, s: Settings, profile: Box, why: str = ""
         gb = g.memory_total / 1e9
         out.append(Check(f"GPU {g.index} memory", "pass" if gb >= profile.gpu_memory_gb * 0.95 else "fail",
                          f">= {profile.gpu_memory_gb:.0f} GB", f"{gb:.1f} GB ({g.name})", "use cards of 24 GB or more"))
-        out.append(Check(f"GPU {g.index} free", "fail" if g.compute_processes else "pass", "no compute process",
+        busy = "warn" if gpu_wait else "fail"
+        out.append(Check(f"GPU {g.index} free", busy if g.compute_processes else "pass", "no compute process",
                          f"pids {', '.join(map(str, g.compute_processes))}" if g.compute_processes else "none",
-                         "stop the other process (nox -s stop if it is an earlier engine)"))
+                         f"start waits up to GPU_WAIT={gpu_wait} s for it to end; stop it if it will not "
+                         "(nox -s stop if it is an earlier engine)"
+                         if gpu_wait else "stop the other process (nox -s stop if it is an earlier engine)"))
     return out
 
 
@@ -240,17 +264,17 @@ def scales_path(s: Settings, p: Profile) -> Path | None:
     return next((s.ckpt / n for n in p.scales if (s.ckpt / n).is_file()), None)
 
 
-def start_checks(s: Settings, p: Profile,
-                 reader: Callable[[], Reading] | None = None) -> tuple[Reading | None, list[Check]]:
+def start_checks(s: Settings, p: Profile, reader: Callable[[], Reading] | None = None,
+                 gpu_wait: int = 0) -> tuple[Reading | None, list[Check]]:
     """What start needs of the box: the NVML reading (None without a driver, or for the CPU build) and every
-    check of the profile's box."""
+    check of the profile's box (``gpu_wait``: see :func:`gpu_checks`)."""
     if s.device == "cpu":
         return None, host_checks(s, p)
     try:
         reading, why = (reader or read_nvml)(), ""
     except NoDriver as exc:
         reading, why = None, str(exc)
-    return reading, gpu_checks(reading, s, p.box, why) + host_checks(s, p)
+    return reading, gpu_checks(reading, s, p.box, why, gpu_wait) + host_checks(s, p)
 
 
 def report(reading: Reading | None) -> list[str]:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from rig import config
+from rig import config, console
 from rig.console import guard
 from rig.steps import pipeline
 from rig.steps.order import steps
@@ -74,19 +74,33 @@ def verify(argv: Sequence[str]) -> int:
     p.add_argument("--dest", help="install the verified kernels here (default: a scratch folder, then removed)")
 
     def go() -> int:
-        import tempfile
+        import shutil
         from pathlib import Path
 
-        from rig import artifacts, record
-        from rig.kernels.target import of_build
+        from rig import leftovers, record, verify
+        from rig.kernels.target import expected, of_build
+        from rig.steps.pipeline import BuildLock
 
         a = p.parse_args(argv)
         s = config.settings()
-        target = of_build(s, record.load(s.state_dir, s.device)).as_dict()
+        rec = record.load(s.state_dir, s.device)
+        target = {**of_build(s, rec).as_dict(), "route": rec.ops.route if rec.ops else None}
         src = Path(a.artifacts) if a.artifacts else s.artifacts_dir
-        with tempfile.TemporaryDirectory() as scratch:
-            n = artifacts.verify(src, Path(a.dest) if a.dest else Path(scratch), target)
-        print(f"verify: {src} fits this target ({', '.join(f'{k} {v}' for k, v in target.items())}); {n} files")
+        want = expected(s, rec)
+        # The build lock: a build may be rewriting artifacts/ or the tree's kernels. The scratch destination is
+        # the rig's own, so a verify that is killed leaves nothing the next one does not remove.
+        with BuildLock(s, "verify"):
+            leftovers.clean(s, console.say)
+            scratch = s.state_dir / leftovers.VERIFY_DEST
+            dest = Path(a.dest) if a.dest else scratch
+            try:
+                n, against = verify.verify(src, dest, target, verify.read_expected(want) if want else None,
+                                           say=console.say)
+            finally:
+                if not a.dest:
+                    shutil.rmtree(scratch, ignore_errors=True)
+        shown = ", ".join(f"{k} {v}" for k, v in target.items() if v)
+        print(f"verify: {src} fits this target ({shown}); {n} files, the set checked against {against}")
         return 0
 
     return guard(go)
@@ -181,8 +195,9 @@ def stop(argv: Sequence[str]) -> int:
 
 def status(argv: Sequence[str]) -> int:
     """``nox -s status``: pid, uptime, health, port, the KV cache line."""
-    _serve_parser("nox -s status --", "Report the engine: pid, uptime, port, health (a one-token generation) and "
-                  "the KV cache line. Exit 0 healthy, 1 running but not healthy, 3 not running.").parse_args(argv)
+    _serve_parser("nox -s status --", "Report the engine: pid, uptime, port, health (a one-token generation), the "
+                  "hang watchdog (HANG_WINDOW) and the KV cache line. Exit 0 healthy, 1 running but not healthy or "
+                  "hung, 3 not running.").parse_args(argv)
 
     def go() -> int:
         from rig import supervise

@@ -74,6 +74,7 @@ from rig.varparse import (  # noqa: E402 - the parsers need Var, defined above
     text,
     url,
     whole,
+    whole_or_off,
 )
 
 VARS: tuple[Var, ...] = (
@@ -170,8 +171,16 @@ VARS: tuple[Var, ...] = (
         service=True),
     Var("START_TIMEOUT", "1800", "Seconds `./start.sh` waits for the first healthy answer (a first start "
         "compiles CUDA graphs).", whole, "start_timeout", "serve", service=True),
+    Var("HANG_WINDOW", "300", "Seconds with requests pending and no token generated before the engine counts as "
+        "hung (read from `/metrics`): the foreground supervisor ends it and exits 1, so systemd restarts it; "
+        "`nox -s status` reports it. `0` turns the watchdog off.", whole_or_off, "hang_window", "serve",
+        service=True),
     Var("STOP_TIMEOUT", "20", "Seconds `nox -s stop` waits after SIGTERM before it sends SIGKILL.", whole,
         "stop_timeout", "serve", service=True),
+    Var("GPU_WAIT", "60", "Seconds `./start.sh` waits for its cards to be free (no other compute process, the last "
+        "engine's memory released): the engine sizes its KV cache from the free memory. `0`: no wait (a shared "
+        "box: `GPU_WAIT=0 ./start.sh --skip-box-check`).",
+        whole_or_off, "gpu_wait", "serve", service=True),
     Var("BASE_URL", "`http://127.0.0.1:$PORT/v1`", "The server `benchmarks/bench.sh` measures.", url, "base_url",
         "bench", derived=True),
     Var("MODEL", "the first `MODEL_NAME`", "The model name `benchmarks/bench.sh` asks for.", text, "model", "bench",
@@ -263,7 +272,9 @@ class Serve:
     guard: str
     counters: bool
     start_timeout: int
+    hang_window: int  # 0: no hang watchdog
     stop_timeout: int
+    gpu_wait: int  # 0: no free-GPU gate
 
 
 def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Serve:

@@ -21,15 +21,17 @@ from rig import config
 from rig.console import guard, say
 from rig.errors import BadInput, WorkFailed, problem
 
-FACTS = ("device", "ops_obj", "arch", "python", "cuda", "torch")
+FACTS = ("device", "ops_obj", "arch", "python", "cuda", "torch", "expect")
 
 
 def target(s: config.Settings) -> dict[str, str]:
-    """The target verify checks a tarball against: this tree, this venv, ``ARCH`` (rig/kernels/target.py)."""
+    """The target verify checks a tarball against: this tree, this venv, ``ARCH`` (rig/kernels/target.py), and
+    ``expect``, the list of this tree's kernels the tarball must hold (empty when none is known)."""
     from rig import record
-    from rig.kernels.target import of_build
+    from rig.kernels.target import expected, of_build
 
-    return of_build(s, record.load(s.state_dir, s.device)).as_dict()
+    rec = record.load(s.state_dir, s.device)
+    return {**of_build(s, rec).as_dict(), "expect": str(expected(s, rec) or "")}
 
 
 def adopt(s: config.Settings, artifacts_dir: Path) -> int:

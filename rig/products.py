@@ -16,8 +16,6 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomli_w
-
 from rig import atomic
 from rig.errors import WorkFailed
 from rig.gitutil import Git
@@ -76,7 +74,7 @@ def write(vllm_dir: Path, rec: Record) -> None:
     try:
         atomic.write_text(vllm_dir / SUMS, sums)
         atomic.write_text(vllm_dir / RECORD, "# The kernels of this tree, written by the rig's ops step.\n"
-                          + tomli_w.dumps({"facts": rec.facts, "files": rec.files}))
+                          + _toml({"facts": rec.facts, "files": rec.files}))
     except OSError as exc:
         forget(vllm_dir)
         raise WorkFailed(f"could not write the build record {vllm_dir / RECORD}: {exc.strerror or exc}. "
@@ -109,3 +107,9 @@ def mismatches(vllm_dir: Path, rec: Record, rehash: bool) -> list[str]:
         elif not rehash and st.st_mtime_ns != want["mtime_ns"]:
             bad.append(f"{rel} (modified since the build)")
     return bad
+
+
+def _toml(data: dict) -> str:
+    import tomli_w  # only a write needs it: the container's verify reads RECORD's name with the standard library
+
+    return tomli_w.dumps(data)

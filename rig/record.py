@@ -113,6 +113,9 @@ class Pack:
     files: int = 0
     bytes: int = 0
     ops_obj: str = ""
+    sha256: str = ""  # the tarball file's, as packed: the cheap check compares size and mtime, then this
+    size: int = 0
+    mtime_ns: int = 0
 
 
 #: Step name -> the dataclass of its outputs, in pipeline order.

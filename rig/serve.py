@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from rig import box, config, demo, engine, profiles, supervise, topology
+from rig import box, config, demo, engine, gpugate, profiles, supervise, topology
 from rig.console import INDENT, say, warn
 from rig.errors import BadInput, problem
 from rig.health import connect_host
@@ -39,6 +39,19 @@ def _cards(s: config.Settings, reading: box.Reading | None) -> tuple[list[int], 
         return [g.index for g in box.visible(reading, s.visible)], reading.p2p
     want = [int(x) for x in s.visible.split(",") if x.strip().isdigit()]
     return want or [0], {}  # no reading: assume no P2P, the safe switches
+
+
+def _gate(s: config.Settings, v: config.Serve, reading: box.Reading | None) -> list[int]:
+    """The cards the free-GPU gate waits for (rig/gpugate.py); none for the CPU build, GPU_WAIT=0 or no driver."""
+    if s.device != "cuda":
+        return []
+    if not v.gpu_wait:
+        say("GPU gate: off (GPU_WAIT=0): the engine sizes its KV cache from whatever memory is free")
+        return []
+    if reading is None:
+        say("GPU gate: skipped, no NVML reading (no NVIDIA driver here)")
+        return []
+    return gpugate.positions(reading, s.visible)
 
 
 def _demo_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -98,7 +111,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         _demo_model(s, env, dry_run)
     refusals: list[BadInput] = []
     if box_check:
-        reading, checks = box.start_checks(s, p)
+        reading, checks = box.start_checks(s, p, gpu_wait=v.gpu_wait)  # a busy card: the gate below waits
         failed = [c for c in checks if c.status == "fail"]
         for c in checks:
             if dry_run or c.status != "pass":
@@ -119,6 +132,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
             reading = None
         say("box: check skipped (--skip-box-check)")
     cards, p2p = _cards(s, reading) if s.device == "cuda" else ([0], {})  # the CPU: one engine, no cards
+    gate = _gate(s, v, reading)
     topo = topology.choose(cards, p2p)
     say(f"topology: TP{topo.tp} x PP{topo.pp}{' + EP' if topo.ep else ''} on cards "
         f"{','.join(map(str, topo.order))}: {topo.why}")
@@ -131,6 +145,8 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         warn(f"HOST={s.host} with an empty VLLM_API_KEY: the API is OPEN to the network, anyone who reaches "
              f"port {s.port} can use it. Set VLLM_API_KEY, or HOST=127.0.0.1")
     if dry_run:
+        if gate:
+            say(gpugate.summary(reading, gate, v.gpu_wait))
         for line in eng.shown():
             print(f"{INDENT}{line}")
         if s.log:
@@ -146,6 +162,8 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
     if clear_cache:
         removed = engine.clear_cache(v.cache_root)
         say(f"cache: emptied {v.cache_root} ({', '.join(removed) or 'nothing there yet'})")
+    if gate:  # last, so that nothing between the wait and the engine's own memory reading takes long
+        gpugate.wait_free(box.read_nvml, gate, v.gpu_wait)
     code = supervise.start(supervise.Launch(s, v, eng, foreground=foreground or not s.log, health=p.health))
     if code == 0 and not (foreground or not s.log):
         key = ' -H "Authorization: Bearer $VLLM_API_KEY"' if v.api_key else ""

@@ -119,7 +119,7 @@ def install(t: Target) -> int:
     unit = t.path(UNIT)
     atomic.write_text(unit, render_unit(t.repo, t.log), 0o644)
     files[UNIT] = sha256_file(unit)
-    say(f"wrote {unit} (runs {t.repo}/start.sh --foreground, log {t.log})")
+    say(f"wrote {unit} (runs {t.repo}/build.sh, then {t.repo}/start.sh --foreground --no-build; log {t.log})")
 
     env = t.path(ENV_FILE)
     if env.exists():

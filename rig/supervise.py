@@ -28,7 +28,7 @@ from typing import IO
 
 import tomli_w
 
-from rig import REPO_ROOT, atomic, logs
+from rig import REPO_ROOT, atomic, logs, sdnotify, watchdog
 from rig.config import Serve, Settings
 from rig.console import INDENT, error, say, warn
 from rig.engine import Engine
@@ -60,6 +60,8 @@ class Record:
     capacity: str = ""
     health: str = "{}"  # the profile's extra fields of the one-token request, as JSON
     ckpt: str = ""  # what the API server serves: its command line names it after `serve`
+    hang: str = ""  # set by the foreground supervisor's hang watchdog while it ends a hung engine
+    stopping: int = 0  # the pid of a `nox -s stop` under way: a foreground supervisor then exits 0
 
 
 def pid_path(s: Settings) -> Path:
@@ -72,7 +74,8 @@ def load(s: Settings) -> Record | None:
 
     path = pid_path(s)
     try:
-        rec = Record(**tomllib.loads(path.read_text()))
+        data = tomllib.loads(path.read_text())
+        rec = Record(**{k: v for k, v in data.items() if k in Record.__dataclass_fields__})  # older or newer rigs
     except FileNotFoundError:
         return None
     except (tomllib.TOMLDecodeError, TypeError):
@@ -254,7 +257,7 @@ def start(launch: Launch) -> int:
             say(running_message(rec))
             return 0
         v.cache_root.mkdir(parents=True, exist_ok=True)
-        argv, env, offset = launch.engine.argv, launch.engine.full_env(), 0
+        argv, env, offset = launch.engine.argv, sdnotify.engine_env(launch.engine.full_env()), 0
         if s.log:
             with _open_log(s.log) as log_fh:
                 log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {argv[0]} serve\n".encode())
@@ -275,6 +278,7 @@ def start(launch: Launch) -> int:
         save(s, rec)
     lines = _Lines(Path(s.log) if s.log else None, offset, proc.stdout)
     say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
+    sdnotify.notify(f"STATUS=starting the engine (pid {proc.pid})")
     stopping = _forward_signals(rec) if launch.foreground else threading.Event()
     try:
         _wait_healthy(s, v, rec, proc, lines, quiet=not s.log, stopping=stopping)
@@ -290,15 +294,68 @@ def start(launch: Launch) -> int:
         raise
     if not launch.foreground:
         return 0
+    if rec.ready:  # healthy, not stopped while starting: systemd's Type=notify start is over
+        sdnotify.notify("READY=1", f"STATUS=ready: {v.names[0]} on {s.host}:{s.port}, pid {proc.pid}")
+    watch = _watch(s, v, rec, stopping) if v.hang_window and rec.ready else None
     code = proc.wait()
+    if watch:
+        watch.stop(v.stop_timeout + 10)  # a hang being handled: its terminate() finishes first
     leftover = terminate(rec.pgid, v.stop_timeout)  # workers the server left behind
     pid_path(s).unlink(missing_ok=True)
     if leftover:
         warn(f"the engine left {len(leftover)} process(es) behind; they were stopped")
+    if watch and watch.hang:
+        say(f"engine stopped by the hang watchdog (its exit {code}); exit 1, so systemd's Restart=on-failure "
+            "starts it again")
+        return 1
     if stopping.is_set():
         say(f"engine stopped (exit {code})")
         return 0
+    if _stopped_by_rig(s, rec):
+        say(f"engine stopped by nox -s stop (exit {code})")
+        return 0
     return code if code >= 0 else 128 - code
+
+
+def _stopped_by_rig(s: Settings, rec: Record) -> bool:
+    """Whether ``nox -s stop`` ended this engine (the unit's ExecStop, or a second terminal): it marks the pid
+    file before it signals, and removes it when done. Only the stop and this supervisor remove it."""
+    try:
+        data = tomllib.loads(pid_path(s).read_text())
+    except FileNotFoundError:
+        return True
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return data.get("pid") != rec.pid or bool(data.get("stopping"))
+
+
+def _watch(s: Settings, v: Serve, rec: Record, stopping: threading.Event) -> watchdog.Watcher:
+    """The hang watchdog of a healthy foreground engine: on a hang, one error line, the hang in the pid file
+    and the log, the group ended; the supervisor then exits 1 (see start)."""
+    def on_hang(verdict: watchdog.Verdict) -> None:
+        since = time.strftime("%H:%M:%S", time.localtime(verdict.stall or verdict.t))
+        error(problem("the engine", f"a token within HANG_WINDOW={v.hang_window} s while requests are pending",
+                      f"{verdict.pending} request(s) pending and no token for {verdict.quiet:.0f} s (since {since}): "
+                      "it is hung", f"nothing by hand: the rig ends its group (pid {rec.pgid}) and exits 1, so "
+                      f"systemd restarts it; if it hangs again, {s.log or 'the output above'} is what to report"))
+        try:  # what the hang leaves behind for status and the log; the group is ended whatever fails here
+            rec.hang = verdict.line()
+            save(s, rec)
+            sdnotify.notify(f"STATUS=hung: {verdict.line()}; stopping the engine")
+            if s.log:
+                with open(s.log, "ab") as fh:
+                    fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} hang watchdog: {verdict.line()}; "
+                             "stopping the engine group\n".encode())
+        finally:
+            terminate(rec.pgid, v.stop_timeout)
+
+    return watchdog.Watcher(s.host, s.port, v.hang_window, s.state_dir, engine_key(rec), on_hang, stopping,
+                            say=say).start()
+
+
+def engine_key(rec: Record) -> str:
+    """Which engine a watchdog sample is of: a new engine, even on a reused pid, is not compared with the old."""
+    return f"{rec.pid}@{rec.started:.3f}"
 
 
 def _forward_signals(rec: Record) -> threading.Event:
@@ -306,6 +363,8 @@ def _forward_signals(rec: Record) -> threading.Event:
     stopping = threading.Event()
 
     def handler(signum, _frame) -> None:
+        if not stopping.is_set():
+            sdnotify.notify("STOPPING=1", f"STATUS=stopping the engine ({signal.Signals(signum).name})")
         stopping.set()
         try:
             os.killpg(rec.pgid, signal.SIGTERM)
@@ -375,6 +434,7 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
         if now - last_beat >= HEARTBEAT:
             last_beat = now
             say(f"waiting for the engine: {now - t0:.0f} s, health: {last_detail}")
+            sdnotify.notify(f"STATUS=starting: {now - t0:.0f} s, health: {last_detail}")
         time.sleep(POLL)
 
 
@@ -411,6 +471,8 @@ def stop(s: Settings, v: Serve) -> int:
         say(f"not running (no live engine in {pid_path(s)}); nothing to stop")
         return 0
     t0 = time.monotonic()
+    rec.stopping = os.getpid()
+    save(s, rec)  # a foreground supervisor reads it: a stop, not a crash (exit 0, no restart)
     members = group_members(rec.pgid)
     say(f"stopping the engine: pid {rec.pid}, {len(members)} process(es) in its group; SIGTERM, then SIGKILL "
         f"after {v.stop_timeout} s")
@@ -452,14 +514,25 @@ def status(s: Settings, v: Serve) -> int:
         say(f"the engine's server (pid {rec.pid}) is gone, but processes of its group are left: {leftovers(rec)}")
         error("they still hold their memory (and GPU memory on a GPU box); nox -s stop ends them, then ./start.sh")
         return 1
-    ok, detail = health(rec.host, rec.port, rec.model, v.api_key, timeout=30, extra=json.loads(rec.health))
+    look = watchdog.Look(s.state_dir, engine_key(rec), rec.host, rec.port, v.hang_window, rec.supervisor).take()
+    checked = not (look.hung or rec.hang)
+    ok, detail = False, "one more request would only join those that hang"
+    if checked:  # an answer later than the hang window is what the watchdog looks for: no need to wait longer
+        ok, detail = health(rec.host, rec.port, rec.model, v.api_key, timeout=min(30, v.hang_window or 30),
+                            extra=json.loads(rec.health))
+        look.take()  # a sample after the check: a check that waited spans the two
+    hung = look.hung or bool(rec.hang)
     capacity = rec.capacity or (_capacity_from_log(rec.log) if rec.log else "")
     mode = f"foreground under pid {rec.supervisor}" if rec.supervisor else "detached"
     say(f"pid {rec.pid} ({mode}), up {_ago(rec.started)}, {rec.host}:{rec.port}, model {rec.model}")
-    say(f"health: {'ok' if ok else 'FAILING'} ({detail})")
+    say(f"health: {'ok' if ok else 'FAILING' if checked else 'not checked'} ({detail})")
+    say(f"watchdog: {look.line()}" + (f"; the supervisor is ending it: {rec.hang}" if rec.hang else ""))
     say(capacity or "KV cache line: not in the log yet")
     if rec.log:
         say(f"log: {rec.log}")
-    if not ok:
+    if hung:
+        error("the engine is hung (requests pending, no token for HANG_WINDOW): see its log; a foreground "
+              "supervisor (systemd) restarts it, else nox -s stop, then ./start.sh")
+    elif not ok:
         error("the engine runs but does not generate: see its log; nox -s stop, then ./start.sh")
-    return 0 if ok else 1
+    return 0 if ok and not hung else 1

@@ -40,6 +40,14 @@ def whole(v: Var, env: Mapping[str, str], root: Path) -> int:
     return int(raw)
 
 
+def whole_or_off(v: Var, env: Mapping[str, str], root: Path) -> int:
+    """A whole number >= 0, where 0 turns the thing off."""
+    raw = _raw(v, env) or ""
+    if not raw.isdigit():
+        raise BadInput(problem(v.name, "a whole number >= 0 (0 turns it off)", repr(raw), _fix(v)))
+    return int(raw)
+
+
 def index(v: Var, env: Mapping[str, str], root: Path) -> int:
     raw = _raw(v, env) or ""
     if not raw.isdigit():

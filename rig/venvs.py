@@ -55,6 +55,27 @@ def installed(venv: Path) -> dict[str, str]:
     return out
 
 
+def damaged(venv: Path) -> dict[str, str]:
+    """name -> the first file its RECORD lists that is missing: what an install cut short leaves behind (the
+    .dist-info folder is there, so the name counts as installed, but files of the package are not)."""
+    import csv
+
+    sp = site_packages(venv)
+    out: dict[str, str] = {}
+    for d in sorted(sp.glob("*.dist-info")) if sp.is_dir() else []:
+        name = norm(d.name[: -len(".dist-info")].partition("-")[0])
+        try:
+            rows = list(csv.reader((d / "RECORD").read_text().splitlines()))
+        except OSError:
+            out[name] = f"{d.name}/RECORD"
+            continue
+        for row in rows:
+            if row and row[0] and not os.path.lexists(sp / row[0]):
+                out[name] = row[0]
+                break
+    return out
+
+
 def torch_cuda(venv: Path) -> str | None:
     """The CUDA version torch in the venv was built for, read from torch/version.py (no import)."""
     try:

@@ -107,14 +107,6 @@ def scratch_path(vllm_dir: Path) -> Path:
     return vllm_dir.parent / f".{vllm_dir.name}.scratch-{os.getpid()}"
 
 
-def clean_stale(vllm_dir: Path, repo: Git | None) -> None:
-    """Remove scratch folders left by an interrupted run (the lock says none runs)."""
-    for p in vllm_dir.parent.glob(f".{vllm_dir.name}.scratch-*"):
-        shutil.rmtree(p, ignore_errors=True)
-    if repo is not None:
-        repo.run("worktree", "prune", check=False)
-
-
 def build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: TreeRecord | None,
            accept: bool) -> Built:
     """The base plus the series, in scratch; vllm/ is not touched."""

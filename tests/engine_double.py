@@ -3,13 +3,19 @@
 It takes vLLM's flags, writes vLLM-format log lines (the formats of the reference), and answers
 the OpenAI routes the rig and llama-benchy use: ``/v1/models``, ``/health`` and
 ``/v1/chat/completions`` (plain and streamed, with usage), one token per ``1 / DOUBLE_PACE`` s after a
-prefill of ``prompt tokens / DOUBLE_PREFILL_PACE`` s (no prefill time when that is unset).
+prefill of ``prompt tokens / DOUBLE_PREFILL_PACE`` s (no prefill time when that is unset), and
+``/metrics`` in Prometheus' text format with vLLM's names for the numbers the hang watchdog reads
+(``vllm:num_requests_running``/``_waiting``, ``vllm:generation_tokens_total``).
 ``DOUBLE_*`` variables pick a misbehaviour:
 
 * ``DOUBLE_DELAY`` seconds of "loading" before it listens (default 0.5);
 * ``DOUBLE_MODE``: ``ok``; ``no-generate`` (``/v1/models`` and ``/health`` answer, generation fails);
   ``ignore-term`` (SIGTERM is ignored); ``crash`` (exits 3 while loading);
-* ``DOUBLE_CHILD=1`` starts a child that stays, like vLLM's EngineCore;
+* ``DOUBLE_HANG_AFTER=N``: the chat completions after the first N are accepted and never answered, the
+  requests stay pending and the token counter stops while ``/health`` and ``/v1/models`` answer: a hung
+  EngineCore (N=1 lets the rig's one-token start check pass first);
+* ``DOUBLE_CHILD=1`` starts a child that stays and ignores SIGTERM, like vLLM's EngineCore (its command line
+  says ``VLLM::EngineCore`` and the checkpoint, as vLLM's renamed processes do);
 * ``DOUBLE_RECORD`` is a file where it writes its argv, pid and environment as JSON.
 """
 
@@ -47,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         s.add_argument(flag, type=int)
     for flag in ("--kv-cache-dtype", "--speculative-config", "--compilation-config"):
         s.add_argument(flag)
-    for flag in ("--enable-expert-parallel", "--disable-custom-all-reduce"):
+    for flag in ("--enable-expert-parallel", "--disable-custom-all-reduce", "--enforce-eager"):
         s.add_argument(flag, action="store_true")
     return p.parse_args(argv)
 
@@ -56,11 +62,46 @@ class State:
     busy = 0
     generated = 0
     prompt = 0
+    accepted = 0  # chat completions taken, for DOUBLE_HANG_AFTER
     lock = threading.Lock()
+
+
+def metrics(model: str, max_seqs: int) -> str:
+    """vLLM's /metrics, cut to a few families: the three the watchdog reads, with their HELP/TYPE lines,
+    vLLM's labels and the counter's _created sample, and a histogram whose names must not be mistaken for them."""
+    with State.lock:
+        busy, generated, prompt = State.busy, State.generated, State.prompt
+    running = min(busy, max_seqs)
+    labels = f'engine="0",model_name="{model}"'
+    return "".join([
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n",
+        "# TYPE vllm:num_requests_running gauge\n",
+        f"vllm:num_requests_running{{{labels}}} {float(running)}\n",
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n",
+        "# TYPE vllm:num_requests_waiting gauge\n",
+        f"vllm:num_requests_waiting{{{labels}}} {float(busy - running)}\n",
+        "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n",
+        "# TYPE vllm:prompt_tokens_total counter\n",
+        f"vllm:prompt_tokens_total{{{labels}}} {float(prompt)}\n",
+        "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n",
+        "# TYPE vllm:generation_tokens_total counter\n",
+        f"vllm:generation_tokens_total{{{labels}}} {float(generated)}\n",
+        f"vllm:generation_tokens_created{{{labels}}} {STARTED}\n",
+        "# HELP vllm:request_generation_tokens Number of generation tokens processed.\n",
+        "# TYPE vllm:request_generation_tokens histogram\n",
+        f'vllm:request_generation_tokens_bucket{{{labels},le="1.0"}} 1.0\n',
+        f'vllm:request_generation_tokens_bucket{{{labels},le="+Inf"}} 1.0\n',
+        f"vllm:request_generation_tokens_count{{{labels}}} 1.0\n",
+        f"vllm:request_generation_tokens_sum{{{labels}}} {float(generated)}\n",
+    ])
+
+
+STARTED = time.time()
 
 
 def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float):
     names = args.served_model_name or [args.model]
+    hang_after = int(os.environ["DOUBLE_HANG_AFTER"]) if os.environ.get("DOUBLE_HANG_AFTER") else None
     key = os.environ.get("VLLM_API_KEY", "") or args.api_key or ""
 
     class H(BaseHTTPRequestHandler):
@@ -83,6 +124,13 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
                 self._send(200, {})
             elif self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
+            elif self.path == "/metrics":
+                body = metrics(names[0], args.max_num_seqs or 4).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             else:
                 self._send(404, {"error": "not found"})
 
@@ -102,10 +150,15 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
             with State.lock:
                 State.busy += 1
                 State.prompt += prompt
+                State.accepted += 1
+                hang = hang_after is not None and State.accepted > hang_after
+            streamed = bool(body.get("stream"))
             try:
+                if hang:
+                    threading.Event().wait()  # never answered: pending for good, no token, like a hung EngineCore
                 if prefill:
                     time.sleep(prompt / prefill)
-                if body.get("stream"):
+                if streamed:
                     self._stream(body, n, prompt)
                 else:
                     time.sleep(n / pace)
@@ -118,7 +171,7 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
             finally:
                 with State.lock:
                     State.busy -= 1
-                    State.generated += n
+                    State.generated += 0 if streamed else n  # a stream counts each token as it goes
 
         def _stream(self, body: dict, n: int, prompt: int) -> None:
             self.send_response(200)
@@ -135,6 +188,8 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
             chunk({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             for i in range(n):
                 time.sleep(1 / pace)
+                with State.lock:
+                    State.generated += 1
                 chunk({**base, "choices": [{"index": 0, "delta": {"content": " Paris"}, "token_ids": [i]}]})
             chunk({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
             if (body.get("stream_options") or {}).get("include_usage"):
@@ -168,13 +223,15 @@ def main() -> None:
     if record := os.environ.get("DOUBLE_RECORD"):
         with open(record, "w") as fh:
             json.dump({"argv": sys.argv[1:], "pid": os.getpid(), "pgid": os.getpgid(0), "env": dict(os.environ)}, fh)
-    stopping = threading.Event()
+    # A plain flag, not a threading.Event: Event.set() in a signal handler deadlocks when the signal lands while
+    # the main thread holds the Event's lock inside Event.wait() (two SIGTERMs at once, as a cgroup stop sends).
+    stopping: list[int] = []
 
     def on_term(signum, _frame) -> None:
         if mode == "ignore-term":
             log("WARNING", "launcher.py:80", "SIGTERM received; this double ignores it")
             return
-        stopping.set()
+        stopping.append(signum)
 
     signal.signal(signal.SIGTERM, on_term)
     if mode == "ignore-term":
@@ -182,7 +239,8 @@ def main() -> None:
     log("INFO", "api_server.py:1200", f"vLLM API server version 0.30.0 (a test double), args: {args.model}")
     if os.environ.get("DOUBLE_CHILD") == "1":
         subprocess.Popen([sys.executable, "-c", "import signal, time\n"
-                          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)"])
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)",
+                          "VLLM::EngineCore", args.model])
     time.sleep(float(os.environ.get("DOUBLE_DELAY", "0.5")))
     log("INFO", "default_loader.py:291", "Loading weights took 0.21 seconds")
     if mode == "crash":
@@ -199,8 +257,8 @@ def main() -> None:
     threading.Thread(target=stats_loop, args=(interval,), daemon=True).start()
     log("INFO", "api_server.py:1300", f"Starting vLLM API server on http://{args.host}:{args.port}")
     log("INFO", "on.py:62", "Application startup complete.")
-    while not stopping.wait(0.2):
-        pass
+    while not stopping:
+        time.sleep(0.2)
     log("INFO", "launcher.py:110", "Shutting down FastAPI HTTP server.")
     server.shutdown()
     sys.exit(0)

@@ -15,8 +15,8 @@ import pytest
 import tomli_w
 from conftest import ROOT
 
-from rig import artifacts
-from rig.errors import BadInput
+from rig import artifacts, config, leftovers, verify
+from rig.errors import BadInput, WorkFailed
 
 FACTS = {"device": "cuda", "ops_obj": "a" * 64, "tree": "b" * 40, "route": "compile", "arch": "8.6 9.0",
          "python": "3.13", "cuda": "13", "torch": "2.13.0"}
@@ -46,10 +46,11 @@ def packed(tmp_path):
     return out
 
 
-def verify_cli(art: Path, dest: Path, **target) -> subprocess.CompletedProcess:
+def verify_cli(art: Path, dest: Path, expect: Path | None = None, **target) -> subprocess.CompletedProcess:
     """Exactly the standard-library entry point the container build runs."""
     t = {**TARGET, **target}
     args = [sys.executable, "-m", "rig.artifacts", "verify", "--artifacts", str(art), "--dest", str(dest)]
+    args += ["--expect", str(expect)] if expect else []
     for k, v in t.items():
         args += [f"--{k.replace('_', '-')}", v]
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -122,8 +123,12 @@ def test_a_pack_killed_half_way_leaves_the_old_complete_set(packed, tmp_path):
     assert artifacts.current(packed, facts, sums_before) == ""  # the old set: complete and trusted
     dest = tmp_path / "dest"
     assert verify_cli(packed, dest).returncode == 0 and not (dest / "vllm" / "big.so").exists()
+    said: list[str] = []
+    env = {"ARTIFACTS_DIR": str(packed), "RIG_STATE": str(tmp_path / "state"), "VLLM_DIR": str(tmp_path / "v"),
+           "VENV_DIR": str(tmp_path / "venv")}
+    leftovers.clean(config.settings(env), said.append)  # what the next build does first, under the lock
+    assert not list(packed.glob(".*.tmp")) and "left by a pack that was killed" in said[0]
     artifacts.pack(tree, packed, FACTS, progress=False)
-    assert not list(packed.glob(".*.tmp"))
     assert artifacts.read_manifest(packed / "manifest.toml")["files"] == 4
 
 
@@ -266,3 +271,216 @@ def test_a_multi_architecture_arch_is_compared_as_a_set(want, held, ok):
     else:
         with pytest.raises(artifacts.Refused, match="the architectures it holds"):
             artifacts.check_target(manifest, {"arch": want})
+
+
+# -- the set this tree needs, sizes, causes, the destination: checked against the tree, not the tarball ------
+
+
+def expected_list(tmp_path: Path, files: dict[str, bytes] | None = None) -> Path:
+    """This tree's kernels as the precompiled list beside the series holds them."""
+    import hashlib
+    path = tmp_path / "precompiled" / "cuda.list"
+    verify.write_list(path, "cuda", "e" * 64, {n: (hashlib.sha256(d).hexdigest(), len(d))
+                                               for n, d in (files or FILES).items()})
+    return path
+
+
+def consistent(art: Path, files: dict[str, bytes]) -> None:
+    """A tarball whose manifest, list and members agree with each other: only the tree can refuse it."""
+    rebuild(art, [regular(n, d) for n, d in sorted(files.items())], sums=_sums(files),
+            manifest={"files": len(files), "bytes": sum(len(d) for d in files.values()), "route": "precompiled"})
+
+
+def _sums(files: dict[str, bytes]) -> dict[str, str]:
+    import hashlib
+    return {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}
+
+
+SO = "vllm/_C_stable_libtorch.abi3.so"
+SET_CASES = {
+    "a kernel left out": ({k: v for k, v in FILES.items() if k != SO}, "is a kernel of this tree"),
+    "one file of all": ({SO: FILES[SO]}, "(and 1 more) is a kernel of this tree"),
+    "an extra file": ({**FILES, "vllm/extra.so": b"x"}, "vllm/extra.so is in the tarball but is not a kernel"),
+    "another build of a kernel": ({**FILES, SO: os.urandom(1000)}, f"{SO}: sha256 expected"),
+}
+
+
+@pytest.mark.parametrize("case", list(SET_CASES))
+def test_a_tarball_consistent_with_itself_is_checked_against_this_trees_kernels(packed, tmp_path, case):
+    files, want = SET_CASES[case]
+    consistent(packed, files)
+    dest = tmp_path / "dest"
+    assert verify_cli(packed, dest).returncode == 0  # by its own word alone, it would pass
+    dest2 = tmp_path / "dest2"
+    r = verify_cli(packed, dest2, expect=expected_list(tmp_path))
+    assert r.returncode == 2 and want in r.stderr and "\n" not in r.stderr.strip(), r.stderr
+    assert not dest2.exists() or not [p for p in dest2.rglob("*") if p.is_file()]
+
+
+def test_the_right_set_installs_and_says_what_it_was_checked_against(packed, tmp_path):
+    listed = expected_list(tmp_path)
+    r = verify_cli(packed, tmp_path / "dest", expect=listed)
+    assert r.returncode == 0, r.stderr  # a compile-route tarball: the precompiled list does not apply
+    assert "names only: the compile route's files are known only after a build here" in r.stdout
+    r = verify_cli(packed, tmp_path / "dest0", expect=listed, route="precompiled")
+    assert r.returncode == 2 and "route: the target needs 'precompiled', the tarball has 'compile'" in r.stderr
+    consistent(packed, FILES)
+    r = verify_cli(packed, tmp_path / "dest1", expect=listed)
+    assert r.returncode == 0, r.stderr
+    assert f"the 3 kernels of this tree ({listed})" in r.stdout
+    # the ops step's own record is read the same way
+    record = tmp_path / ".build-products"
+    record.write_text("# the ops step's\n" + tomli_w.dumps({"facts": {"route": "compile"}, "files": {
+        n: {"sha256": s, "size": len(FILES[n]), "mtime_ns": 1} for n, s in _sums(FILES).items()}}))
+    r = verify_cli(packed, tmp_path / "dest3", expect=record, route="compile")
+    assert r.returncode == 2 and "route: the target needs 'compile'" in r.stderr
+    record.write_text(record.read_text().replace('"compile"', '"precompiled"'))
+    r = verify_cli(packed, tmp_path / "dest3", expect=record)
+    assert r.returncode == 0 and f"({record})" in r.stdout, r.stderr
+
+
+def test_without_a_set_a_file_git_tracks_in_the_tree_is_never_overwritten(packed, tmp_path):
+    dest = tmp_path / "dest-tree"
+    (dest / "vllm").mkdir(parents=True)
+    (dest / "vllm" / "api.py").write_text("the tree's source\n")
+    subprocess.run(["git", "init", "-q", str(dest)], check=True)
+    subprocess.run(["git", "-C", str(dest), "add", "vllm/api.py"], check=True)
+    files = {**FILES, "vllm/api.py": b"print('owned')\n"}
+    consistent(packed, files)
+    r = verify_cli(packed, dest)
+    assert r.returncode == 2 and "vllm/api.py is a source file of the tree (git tracks it)" in r.stderr, r.stderr
+    assert (dest / "vllm" / "api.py").read_text() == "the tree's source\n"
+
+
+def test_sizes_are_bounded_by_the_tarballs_own_size_not_by_the_manifest(packed, tmp_path):
+    bomb = bytes(64 << 20)  # 64 MiB of zeros: a few KB compressed
+    consistent(packed, {**FILES, "vllm/bomb.so": bomb})
+    assert (packed / "ops.tar.zst").stat().st_size < 1 << 20
+    dest = tmp_path / "dest"
+    r = verify_cli(packed, dest)
+    assert r.returncode == 2 and "past 50 times the tarball's" in r.stderr, r.stderr
+    assert not dest.exists() or not [p for p in dest.rglob("*") if p.is_file()]
+
+
+def test_a_size_other_than_the_kernels_is_refused_before_extraction(packed, tmp_path):
+    big = {**FILES, SO: FILES[SO] + b"\0" * 10}
+    listed = expected_list(tmp_path, big)
+    consistent(packed, FILES)
+    sums = (packed / "ops.sha256").read_text().replace(_sums(FILES)[SO], _sums(big)[SO])
+    (packed / "ops.sha256").write_text(sums)  # the list agrees with the tree; the member is 10 bytes short
+    r = verify_cli(packed, tmp_path / "dest", expect=listed)
+    assert r.returncode == 2 and f"is {len(FILES[SO])} bytes; this tree's kernel is {len(big[SO])}" in r.stderr
+
+
+def test_data_after_the_tars_end_is_refused_without_reading_it_into_memory(packed, tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for info, data in honest():
+            tf.addfile(info, io.BytesIO(data))
+    rebuild(packed, [], raw=buf.getvalue() + os.urandom(4 << 20))
+    r = verify_cli(packed, tmp_path / "dest")
+    assert r.returncode == 2 and "of data after the tar's end" in r.stderr, r.stderr
+
+
+def test_a_bad_file_early_in_a_big_tarball_is_reported_as_itself_not_as_zstds_sigpipe(packed, tmp_path):
+    big = {"vllm/a_first.so": b"A" * 1000, **{f"vllm/z{i}.so": os.urandom(4 << 20) for i in range(6)}}
+    sums = _sums(big)
+    sums["vllm/a_first.so"] = "0" * 64  # the list names another content for the first member
+    rebuild(packed, [regular(n, d) for n, d in sorted(big.items())], sums=sums,
+            manifest={"files": len(big), "bytes": sum(map(len, big.values()))})
+    r = verify_cli(packed, tmp_path / "dest")
+    assert r.returncode == 2 and "member 'vllm/a_first.so' has sha256" in r.stderr, r.stderr
+    assert "-13" not in r.stderr and "truncated" not in r.stderr
+
+
+def test_a_corrupt_zstd_stream_is_reported_in_zstds_words(packed, tmp_path):
+    data = bytearray((packed / "ops.tar.zst").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (packed / "ops.tar.zst").write_bytes(bytes(data))
+    _fix_sha(packed)
+    r = verify_cli(packed, tmp_path / "dest")
+    assert r.returncode == 2 and "truncated or corrupt" in r.stderr and "-13" not in r.stderr, r.stderr
+
+
+def test_a_member_that_is_both_a_file_and_a_folder_is_one_line(packed, tmp_path):
+    files = {**FILES, "vllm/x.so": b"file", "vllm/x.so/inner.py": b"inner"}
+    consistent(packed, files)
+    r = verify_cli(packed, tmp_path / "dest")
+    assert r.returncode == 2 and "'vllm/x.so' is both a file and the folder of 'vllm/x.so/inner.py'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("blocker", ["a folder where a file goes", "a file where a folder goes", "a link"])
+def test_a_destination_that_cannot_take_the_files_is_one_line_and_untouched(packed, tmp_path, blocker):
+    dest = tmp_path / "dest"
+    (dest / "vllm").mkdir(parents=True)
+    if blocker == "a folder where a file goes":
+        (dest / SO).mkdir()
+        want = f"{SO} is a folder where the tarball's file goes"
+    elif blocker == "a file where a folder goes":
+        (dest / "vllm" / "vllm_flash_attn").write_text("mine")
+        want = "vllm/vllm_flash_attn is a file where the folder of"
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (dest / "vllm" / "third_party").symlink_to(tmp_path / "elsewhere")
+        want = "vllm/third_party is a link"
+    before = sorted((str(p), p.is_dir()) for p in dest.rglob("*"))
+    r = verify_cli(packed, dest)
+    assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted((str(p), p.is_dir()) for p in dest.rglob("*")) == before
+    assert not list((tmp_path / "elsewhere").rglob("*")) if blocker == "a link" else True
+
+
+def test_an_install_that_fails_midway_puts_every_file_back(packed, tmp_path, monkeypatch):
+    dest = tmp_path / "dest"
+    (dest / "vllm").mkdir(parents=True)
+    (dest / SO).write_bytes(b"the old kernel")
+    real, calls = os.replace, []
+
+    def flaky(src, dst):  # the disk fails on the third move into the tree (I/O the test cannot cause otherwise)
+        if str(dst).startswith(str(dest / "vllm")) and ".rig-verify-" in str(src):
+            calls.append(dst)
+            if len(calls) == 3:
+                raise OSError(5, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(verify.os, "replace", flaky)
+    with pytest.raises(WorkFailed, match="failed at 3 .*every file was put back"):
+        verify.verify(packed, dest, TARGET)
+    assert (dest / SO).read_bytes() == b"the old kernel"
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*")) == ["vllm", SO]
+
+
+def test_a_full_disk_is_reported_as_a_full_disk(packed, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root (the full-disk case of the verify suite)")
+    try:
+        r = verify_cli(packed, mnt / "dest")
+        assert r.returncode == 1 and "MB is free" in r.stderr and "nothing was installed" in r.stderr, r.stderr
+        # the free-space check passes, the disk fills while extracting: still the disk, not "corrupt"
+        code = ("import sys, shutil; from pathlib import Path; from rig import verify\n"
+                "shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1, 0, 1 << 40)\n"
+                f"from rig import artifacts; sys.exit(artifacts.main(['verify', '--artifacts', {str(packed)!r}, "
+                f"'--dest', {str(mnt / 'dest2')!r}]))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 1 and "the disk filled while writing" in r.stderr, r.stderr
+        assert not [p for p in mnt.rglob("*") if p.is_file()]
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_a_killed_verify_leaves_its_scratch_to_the_next_one(packed, tmp_path):
+    dest = tmp_path / "dest"
+    left = dest / ".rig-verify-999999999"  # no such pid
+    (left / "vllm").mkdir(parents=True)
+    (left / "vllm" / "half.so").write_bytes(b"x" * 1000)
+    r = verify_cli(packed, dest)
+    assert r.returncode == 0 and f"removed {left}, left by a verify that was killed" in r.stdout, r.stderr
+    assert not left.exists() and not list(dest.glob(".rig-verify-*"))
+
+
+def test_check_space_names_what_is_needed_and_free(tmp_path):
+    with pytest.raises(WorkFailed, match=r"the kernels need \d+ MB, \d+ MB is free"):
+        verify.check_space(tmp_path, 1 << 60)

@@ -135,6 +135,49 @@ def test_nvml_reading_and_doctor_on_the_real_driver() -> None:
     assert any(ln.startswith("pass  GPUs") or "GPUs" in ln for ln in lines)
 
 
+HOLD = ('import torch; x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda"); print("ready", flush=True); '
+        'import time; time.sleep(60)')
+
+
+def test_the_free_gpu_gate_on_the_real_driver() -> None:
+    """rig/gpugate.py on real NVML: a free card passes at once; a child holding 2 GiB is named when the wait
+    runs out; once it is killed, the gate sees the card free again (and says how long the release took)."""
+    import time
+
+    from rig import box, gpugate
+    from rig.errors import WorkFailed
+
+    t0 = time.monotonic()
+    assert gpugate.wait_free(box.read_nvml, [0], 10) == 0.0, "card 0 is not free: run this on an idle card"
+    took = time.monotonic() - t0
+    print(f"free card: passed in {took:.2f} s (one NVML read)")
+    assert took < 5
+    child = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", f"the child did not allocate (exit {child.poll()})"
+        listed = box.read_nvml().gpus[0]
+        print(f"NVML lists pids {listed.compute_processes}, memory {listed.process_memory}, "
+              f"{listed.memory_used / 2**30:.1f} GiB used; the child is pid {child.pid}")
+        t0 = time.monotonic()
+        try:
+            gpugate.wait_free(box.read_nvml, [0], 3)
+            raise AssertionError("the gate passed while the child held 2 GiB")
+        except WorkFailed as exc:
+            msg = exc.message
+        print(msg)
+        assert 3 <= time.monotonic() - t0 < 10 and "card 0" in msg and "GPU_WAIT=3 s" in msg
+        if child.pid in listed.compute_processes:  # this PID namespace is the driver's
+            assert f"pid {child.pid} python" in msg, msg
+            assert listed.process_memory.get(child.pid, 2 << 30) >= 2 << 30
+        else:  # a container: NVML gives host pids, or none; the memory still shows
+            assert "not in this PID namespace" in msg or "no compute process" in msg, msg
+    finally:
+        child.kill()
+        child.wait()
+    waited = gpugate.wait_free(box.read_nvml, [0], 30)
+    print(f"after the kill: free after {waited:.1f} s")
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, WHEEL, Index, run_rig
 
-from rig import products, venvs
+from rig import config, products, record, venvs
 from rig.kernels import route
+from rig.steps import pipeline
 
 PY_PATCH = {"vllm/entrypoints/api.py": "".join(f"# api line {i}\n" for i in range(1, 31))
             + "def serve():\n    return 'patched'\n"}
@@ -272,7 +274,34 @@ def test_pack_once_then_current_then_repacked_without_compiling(series, ops_env,
     assert len(logs(tmp_path)) == n_logs
     skipped = run_rig({**env, "PACK": "0"}, "build", "--only", "pack")
     assert "skipped (--no-pack or PACK=0)" in skipped.out
+    # a tarball swapped for another valid one of the same kernels: not the one this build packed
+    other = tmp_path / "other"
+    from rig import artifacts
+    from rig.steps.pack import manifest_facts
+    s = config.settings(env)
+    vllm_dir = s.vllm_dir
+    facts = manifest_facts(s, record.load(s.state_dir, s.device))
+    copy = tmp_path / "copy"  # the same files, copied a second later: other mtimes in the tar headers
+    time.sleep(1.1)
+    for rel in [*products.read(vllm_dir).files, products.SUMS]:
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(vllm_dir / rel, copy / rel)
+    artifacts.pack(copy, other, facts, progress=False)
+    for name in ("ops.tar.zst", "manifest.toml"):
+        shutil.copy(other / name, tmp_path / "artifacts" / name)
+    r = run_rig(env, "build", "--only", "pack")
+    assert r.code == 0 and "names tarball sha256" in r.out and "this build packed" in r.out, r.out
+    assert "current:" in run_rig(env, "build", "--only", "pack").out
+    # verify: the build's own record is the set; its scratch is the rig's; it takes the build lock
+    scratch = Path(env["RIG_STATE"]) / "verify-dest"
+    (scratch / "vllm").mkdir(parents=True)
+    (scratch / "vllm" / "half.so").write_bytes(b"x")
     v = run_rig(env, "verify")
     assert v.code == 0 and "fits this target" in v.out, v.text
+    assert f"kernels of this tree ({vllm_dir / '.build-products'})" in v.out
+    assert f"removed {scratch} (0 MB), left by a verify that was killed" in v.out and not scratch.exists()
+    with pipeline.BuildLock(s, "a build"):
+        locked = run_rig(env, "verify")
+    assert locked.code == 2 and "the build lock" in locked.err and "a build" in locked.err, locked.text
     bad = run_rig({**env, "ARCH": "7.0"}, "verify")
     assert bad.code == 2 and "architectures" in bad.err and "'7.0'" in bad.err

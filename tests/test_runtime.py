@@ -70,6 +70,48 @@ def test_a_removed_package_is_installed_again(built, tmp_path):
     assert venvs.installed(env["VENV_DIR"])["six"] == "1.16.0"
 
 
+def _break(env: dict[str, str], name: str) -> Path:
+    """What kill -9 in the middle of an install leaves: the .dist-info folder, and a package file missing."""
+    sp = venvs.site_packages(Path(env["VENV_DIR"]))
+    gone = sp / name / "__init__.py"
+    gone.unlink()
+    return gone
+
+
+def test_an_install_cut_short_is_found_and_repaired_by_a_plain_rerun(built):
+    _, env, _ = built
+    gone = _break(env, "idna")
+    s = config.settings(env)
+    (s.venv_dir / runtime.MARKER).write_text("pid 4242 at 2026-12-01 10:00:00\n")  # the run that was killed
+    r = run_rig(env, "build", "--only", "runtime")
+    assert r.code == 0 and "was cut short" in r.out and gone.exists(), r.text
+    r = run_rig(env, "build", "--only", "runtime")
+    assert r.code == 0 and "current: 2 pins" in r.out, r.text
+    assert not (s.venv_dir / runtime.MARKER).exists() and venvs.damaged(s.venv_dir) == {}
+
+
+def test_an_install_cut_short_says_so_and_names_the_broken_package(built):
+    _, env, _ = built
+    gone = _break(env, "idna")
+    s = config.settings(env)
+    (s.venv_dir / runtime.MARKER).write_text("pid 4242 at 2026-12-01 10:00:00\n")
+    r = run_rig(env, "build", "--only", "runtime")
+    assert r.code == 0, r.text
+    assert "was cut short (pid 4242 at 2026-12-01 10:00:00)" in r.out
+    assert "package(s) with files missing, e.g. idna (idna/__init__.py): installed again" in r.out
+    assert gone.exists() and venvs.damaged(s.venv_dir) == {}
+
+
+def test_force_repairs_a_damaged_venv_even_without_a_marker(built):
+    _, env, _ = built
+    gone = _break(env, "idna")
+    current = run_rig(env, "build", "--only", "runtime")
+    assert "current: 2 pins" in current.out  # the names are there: the cheap check cannot see it
+    r = run_rig(env, "build", "--only", "runtime", "--force")
+    assert r.code == 0 and gone.exists(), r.text
+    assert venvs.damaged(Path(env["VENV_DIR"])) == {}
+
+
 def test_hand_edited_hash_is_refused_naming_the_package(built, small_lock, tmp_path):
     _, env, _ = built
     lock = runtime.read_lock(small_lock)

@@ -155,6 +155,56 @@ def test_status_reports_the_running_real_engine(served):
     assert s.returncode == 0, s.stdout + s.stderr
     assert f"pid {state['pid']}" in s.stdout and f"127.0.0.1:{env['PORT']}" in s.stdout
     assert "health: ok (one token generated)" in s.stdout and "CPU KV cache size:" in s.stdout
+    # the hang watchdog reads the real engine's /metrics: idle, with the tokens generated so far counted
+    assert "watchdog: idle (no request pending; " in s.stdout and " tokens generated so far" in s.stdout, s.stdout
+
+
+def test_the_series_logs_the_names_the_model_is_served_under(served):
+    """Patch 0002 in the real engine: its line is in the engine's own log."""
+    _, env, r, _, _ = served
+    assert r.returncode == 0
+    log = Path(env["LOG"]).read_text(errors="replace")
+    assert "Serving the model as: demo" in log, log[-3000:]
+    assert "listens on" not in log  # 0001's warning: not on loopback with a key
+
+
+def bench_rows(md: str) -> dict[tuple[int, str], float]:
+    """(concurrency, 'prefill' | 'generation') -> t/s from the results table bench.sh prints."""
+    rows = {}
+    for ln in md.splitlines():
+        cols = [c.strip() for c in ln.strip().strip("|").split("|")]
+        if len(cols) == 9 and cols[0].isdigit():
+            pp, tg = (float(x.split(" ")[0]) if x[:1].isdigit() else 0.0 for x in (cols[3], cols[5]))
+            rows[(int(cols[0]), "prefill")], rows[(int(cols[0]), "generation")] = pp, tg
+    return rows
+
+
+def test_bench_sh_measures_the_real_engine_and_compares_a_second_run(served, tmp_path):
+    """llama-benchy 0.4.0 against the real engine, counting tokens with the demo model's own tokenizer."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    results = tmp_path / "results"
+    args = ["128", "16", "1 4", "0", "--runs", "1", "--skip-coherence", "--results-dir", str(results)]
+    runs = []
+    for _ in range(2):
+        b = subprocess.run([str(dest / "benchmarks" / "bench.sh"), *args], cwd=dest, env={**env, "PROFILE": "demo"},
+                           capture_output=True, text=True, timeout=900)
+        assert b.returncode == 0, (b.stdout + b.stderr)[-4000:]
+        folder = Path(next(ln for ln in b.stdout.splitlines() if ln.startswith("results: ")).removeprefix(
+            "results: "))
+        runs.append((b, folder))
+    (first, d1), (second, d2) = runs
+    report = json.loads((d1 / "llama-benchy.json").read_text())
+    assert report["version"] == "0.4.0" and report["model"] == "demo"
+    assert sorted(b["concurrency"] for b in report["benchmarks"]) == [1, 4]
+    for b in report["benchmarks"]:
+        assert b["tg_throughput"]["mean"] > 0 and b["pp_throughput"]["mean"] > 0, b
+    assert (d1 / "throughput.png").stat().st_size > 1000
+    assert "No earlier run with these parameters" in (d1 / "results.md").read_text()
+    assert f"`{d1.name}`" in (d2 / "results.md").read_text()  # the second run is compared with the first
+    rows = bench_rows((d1 / "results.md").read_text())
+    print("\ndemo model on this box (llama-benchy 0.4.0, pp 128, tg 16): " + ", ".join(
+        f"c={c} {kind} {v:.1f} t/s" for (c, kind), v in sorted(rows.items())))
 
 
 def test_the_demo_model_is_the_same_files_when_made_again(served, tmp_path):
@@ -230,3 +280,37 @@ def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_end
     while engine_processes(rec["pgid"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not engine_processes(rec["pgid"])
+
+
+def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_inside_the_engine(served, tmp_path):
+    """What systemd and the container do: ./start.sh --foreground, then SIGTERM to it. HOST=0.0.0.0 with no key:
+    patch 0001's warning comes from the engine itself, besides the rig's own."""
+    import signal
+
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    log = tmp_path / "fg.log"
+    fg = {**env, "HOST": "0.0.0.0", "VLLM_API_KEY": "", "PORT": str(free_port()), "LOG": str(log)}
+    p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=fg,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    state = dest / ".rig" / "engine.toml"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and p.poll() is None:
+        if state.exists() and tomllib_load(state).get("ready"):
+            break
+        time.sleep(1)
+    assert p.poll() is None, p.stdout.read()[-4000:] if p.stdout else ""
+    rec = tomllib_load(state)
+    assert rec["ready"] and rec["supervisor"] == p.pid
+    text = log.read_text(errors="replace")
+    assert "The API server listens on 0.0.0.0 (every interface) and no API key is set" in text, text[-3000:]
+    assert engine_processes(rec["pgid"])
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:]
+    assert "engine stopped" in out and "API is OPEN to the network" in out
+    deadline = time.monotonic() + 10
+    while engine_processes(rec["pgid"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine_processes(rec["pgid"]), [q.info for q in engine_processes(rec["pgid"])]
+    assert not state.exists()

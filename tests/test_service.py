@@ -5,17 +5,26 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import shlex
 import shutil
+import signal
+import socket
 import stat
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import test_serve
 from conftest import ROOT, run_rig
 
-from rig import config, profiles, service
+from rig import config, health, profiles, service, supervise
+
+rig_env = test_serve.rig_env  # the engine double as .venv/bin/vllm
 
 needs_systemd = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 needs_logrotate = pytest.mark.skipif(not shutil.which("logrotate"), reason="logrotate not installed")
@@ -34,15 +43,21 @@ def test_install_writes_the_three_files_with_this_repo_in_place(tmp_path):
     assert r.code == 0, r.text
     assert files_under(tmp_path) == {service.UNIT, service.ENV_FILE, service.LOGROTATE, service.RECORD}
     unit = (tmp_path / service.UNIT).read_text()
-    assert "/opt/vllm" not in unit and f"ExecStart={ROOT}/start.sh --foreground" in unit
+    assert "/opt/vllm" not in unit and f"\nExecStart={ROOT}/start.sh --foreground --no-build\n" in unit
+    assert f"\nExecStartPre={ROOT}/build.sh\n" in unit
     assert "Environment=LOG=/var/log/rig-test.log" in unit and f"ReadWritePaths={ROOT} /var/log " in unit
-    for key in ("KillMode=mixed", "LimitMEMLOCK=infinity", "EnvironmentFile=-/etc/default/vllm", "NoNewPrivileges=yes",
+    for key in ("KillMode=control-group", "Type=notify", "NotifyAccess=all", "LimitMEMLOCK=infinity",
+                "EnvironmentFile=-/etc/default/vllm", "NoNewPrivileges=yes",
                 "ProtectSystem=strict", "PrivateTmp=yes", "DevicePolicy=closed", "Restart=on-failure"):
         assert key in unit, key
     assert not re.search(r"^(PrivateDevices|MemoryDenyWriteExecute)=", unit, re.M)
     assert "AF_UNIX" in unit and "char-nvidia* rwm" in unit
     stop = int(re.search(r"^TimeoutStopSec=(\d+)", unit, re.M)[1])
-    assert stop > config.serve_settings({}).stop_timeout  # the drain fits before systemd's SIGKILL
+    served = config.serve_settings({})
+    assert stop > served.stop_timeout  # the drain fits before systemd's SIGKILL
+    start = int(re.search(r"^TimeoutStartSec=(\d+)", unit, re.M)[1])
+    assert start > served.start_timeout + served.stop_timeout  # the rig's own limit, and its message, come first
+    assert not re.search(r"^(RestartSteps|RestartMaxDelaySec)=", unit, re.M)
     env = tmp_path / service.ENV_FILE
     assert stat.S_IMODE(env.stat().st_mode) == 0o600
     text = env.read_text()
@@ -63,6 +78,8 @@ def test_systemd_analyze_verifies_the_unit_and_scores_it(tmp_path):
     assert m, sec.stdout[-2000:] + sec.stderr
     print(f"systemd-analyze security: {m[1]} {m[2]}")
     assert float(m[1]) <= 5.0
+    # read as meant: the supervisor, a child of uv, may notify (NotifyAccess=all); 0.2 of the score
+    assert re.search(r"✗ NotifyAccess=\s+Service child processes may alter service state", sec.stdout)
 
 
 @needs_logrotate
@@ -231,3 +248,214 @@ def test_a_world_readable_environment_file_is_tightened_with_a_word(tmp_path):
 def test_the_compose_env_file_is_ignored_by_git():
     r = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT)
     assert r.returncode == 0
+
+
+# --- the unit's commands, run as systemd runs them --------------------------------------------------------------
+
+SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def settings_of(unit: str) -> dict[str, list[str]]:
+    """Each setting of a unit file with its values in order (the sections' keys do not overlap here)."""
+    out: dict[str, list[str]] = {}
+    for line in unit.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def commands(unit: dict[str, list[str]], key: str) -> list[list[str]]:
+    """The argv of each ``Exec*=`` line: systemd's prefixes (-, @, :, +, !) dropped, words split as it does."""
+    return [shlex.split(v.lstrip("-@:+!")) for v in unit.get(key, [])]
+
+
+def unit_env(unit: dict[str, list[str]], root: Path, notify: str) -> dict[str, str]:
+    """The environment systemd gives the service: a clean one (PATH; no HOME without User=), NOTIFY_SOCKET for
+    Type=notify, then Environment=, then EnvironmentFile= (read under ``root``), which wins."""
+    env = {"PATH": SYSTEMD_PATH, "LANG": "C.UTF-8", "INVOCATION_ID": "0" * 32, "NOTIFY_SOCKET": notify}
+    for value in unit.get("Environment", []):
+        env.update(word.split("=", 1) for word in shlex.split(value))
+    for value in unit.get("EnvironmentFile", []):
+        path = root / value.lstrip("-").lstrip("/")
+        for line in path.read_text().splitlines():
+            if line.strip() and not line.lstrip().startswith(("#", ";")):
+                key, _, val = line.partition("=")
+                env[key.strip()] = " ".join(shlex.split(val))
+    return env
+
+
+class NotifySocket:
+    """What systemd listens on for a Type=notify service: an abstract datagram socket; each message is kept
+    with the sender's pid (SO_PASSCRED), as systemd checks it against NotifyAccess=."""
+
+    def __init__(self) -> None:
+        self.name = f"@vllm-rig-test-{os.getpid()}-{time.monotonic_ns()}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + self.name[1:])
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.messages: list[tuple[float, int, str]] = []
+        self.ready = threading.Event()
+        self.on_ready: list = []  # checks run the moment READY=1 arrives, before anything else can change
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data, anc, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
+            except OSError:
+                return
+            pid = next((struct.unpack("3i", d[:12])[0] for lvl, typ, d in anc
+                        if lvl == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS), 0)
+            text = data.decode()
+            self.messages.append((time.monotonic(), pid, text))
+            if "READY=1" in text.split("\n") and not self.ready.is_set():
+                self.on_ready = [check() for check in self.on_ready]
+                self.ready.set()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def engine_processes(pgid: int, ckpt: str) -> list[str]:
+    """The engine's processes still there: by its process group, and by command line (the double's server, and
+    its child named like vLLM's ``VLLM::EngineCore``)."""
+    left = [f"{p} (group {pgid})" for p in supervise.group_members(pgid)]
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and ckpt in cmd and ("VLLM::" in cmd or "engine_double" in cmd):
+            left.append(f"{p.info['pid']} ({cmd[:80]})")
+    return left
+
+
+def cgroup_of(main: subprocess.Popen, pgids: set[int]) -> list:
+    """The service's cgroup, approximated: the main process, its descendants, and every process of their process
+    groups (a process that left the tree by a double fork still has its group)."""
+    procs = {}
+    try:
+        top = psutil.Process(main.pid)
+        for p in [top, *top.children(recursive=True)]:
+            procs[p.pid] = p
+            pgids.add(os.getpgid(p.pid))
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        pass
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) in pgids:
+                procs.setdefault(p.pid, p)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return [p for p in procs.values() if p.pid != os.getpid()]
+
+
+def systemd_stop(main: subprocess.Popen, unit: dict[str, list[str]], env: dict, cwd: str,
+                 stop_timeout: float) -> list[int]:
+    """A stop as systemd does it with KillMode=control-group: each ExecStop=, then KillSignal (SIGTERM) to every
+    process of the cgroup at once, TimeoutStopSec, then SIGKILL to what is left; returns the pids it killed."""
+    for argv in commands(unit, "ExecStop"):
+        r = subprocess.run(argv, env=env, cwd=cwd, start_new_session=True, timeout=stop_timeout * 4,
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and "no process of it is left" in r.stdout, r.stdout + r.stderr
+    pgids: set[int] = set()
+    for p in cgroup_of(main, pgids):
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    end = time.monotonic() + stop_timeout
+
+    def alive() -> list:
+        out = []
+        for p in cgroup_of(main, pgids):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                continue
+        return out
+
+    while alive() and time.monotonic() < end:
+        time.sleep(0.1)
+    killed = alive()
+    for p in killed:
+        p.kill()
+    main.wait(10)
+    return [p.pid for p in killed]
+
+
+@pytest.fixture
+def unit_env_file(tmp_path, rig_env):
+    """The unit installed under a temporary root, and the engine double (tests/test_serve.py's) set in the
+    service's environment file as an admin would write it: DEVICE=cpu and the demo profile, whose box check
+    passes on a box without a GPU (the unit runs start.sh without --skip-box-check)."""
+    root = tmp_path / "root"
+    log = rig_env["LOG"]
+    r = install(root, env={"LOG": log, "PROFILE": "demo"})
+    assert r.code == 0, r.text
+    keep = ("VENV_DIR", "CKPT", "PORT", "RIG_STATE", "CACHE_ROOT", "START_TIMEOUT", "STOP_TIMEOUT", "DOUBLE_RECORD")
+    extra = {k: rig_env[k] for k in keep} | {"DEVICE": "cpu", "DOUBLE_DELAY": "2", "DOUBLE_CHILD": "1"}
+    env_file = root / service.ENV_FILE
+    env_file.write_text(env_file.read_text() + "".join(f"{k}={v}\n" for k, v in extra.items()))
+    return root, settings_of((root / service.UNIT).read_text()), rig_env
+
+
+def test_the_unit_starts_notifies_and_stops_as_systemd_would(unit_env_file):
+    """ExecStart in its own process group with the unit's environment; READY=1 only once the engine answers a
+    one-token generation; a stop with KillMode=control-group leaves no engine process and exits 0. ExecStartPre
+    is the real ./build.sh, not run here (a build takes minutes): the next test runs it where it stops at once."""
+    root, unit, rig_env = unit_env_file
+    assert unit["Type"] == ["notify"] and unit["KillMode"] == ["control-group"]
+    assert commands(unit, "ExecStartPre") == [[str(ROOT / "build.sh")]]
+    notify = NotifySocket()
+    env = unit_env(unit, root, notify.name)
+    assert env["LOG"] == rig_env["LOG"] and env["PROFILE"] == "demo" and "HOME" not in env
+    port = int(env["PORT"])
+    notify.on_ready.append(lambda: health.health("127.0.0.1", port, env["MODEL_NAME"]))
+    (argv,) = commands(unit, "ExecStart")
+    assert argv == [str(ROOT / "start.sh"), "--foreground", "--no-build"]
+    assert commands(unit, "ExecStop") == [[str(ROOT / "scripts" / "nox.sh"), "-s", "stop"]]
+    main = subprocess.Popen(argv, env=env, cwd=unit["WorkingDirectory"][0], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(main.stdout), daemon=True).start()
+    try:
+        assert notify.ready.wait(90), "no READY=1:\n" + "".join(out)
+        assert notify.on_ready == [(True, "one token generated")]  # healthy at the moment READY=1 came
+        first, ready = notify.messages[0], next(m for m in notify.messages if "READY=1" in m[2])
+        assert first[2].startswith("STATUS=starting the engine") and first[0] < ready[0]
+        assert "Application startup complete" in Path(env["LOG"]).read_text()
+        rec = test_serve.record(env)
+        sender = ready[1]
+        tree = [p.pid for p in psutil.Process(main.pid).children(recursive=True)]
+        # the supervisor, a child of uv: not the main process (so NotifyAccess=all), not an engine process
+        assert sender in tree and sender != main.pid and os.getpgid(sender) != rec["pgid"]
+        stop_timeout = float(unit["TimeoutStopSec"][0]) / 6  # 15 s instead of 90
+        killed = systemd_stop(main, unit, env, unit["WorkingDirectory"][0], stop_timeout)
+    finally:
+        if main.poll() is None:
+            main.kill()
+        notify.close()
+    text = "".join(out)
+    assert main.returncode == 0, text
+    assert not killed, f"systemd's SIGKILL was needed for {killed}:\n{text}"
+    assert "engine stopped by nox -s stop" in text or "engine stopped (exit" in text
+    assert not engine_processes(rec["pgid"], env["CKPT"])
+    assert any("STOPPING=1" in m[2] for m in notify.messages)
+
+
+def test_a_failing_exec_start_pre_starts_nothing(unit_env_file):
+    """The real ExecStartPre (./build.sh) with the unit's environment, on a bad value in the environment file: it
+    stops before any build step, naming the variable, and systemd runs no ExecStart."""
+    root, unit, rig_env = unit_env_file
+    env_file = root / service.ENV_FILE
+    env_file.write_text(env_file.read_text() + "MAX_JOBS=many\n")
+    env = unit_env(unit, root, "@unused")
+    (argv,) = commands(unit, "ExecStartPre")
+    t0 = time.monotonic()
+    r = subprocess.run(argv, env=env, cwd=unit["WorkingDirectory"][0], start_new_session=True,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "MAX_JOBS: expected a whole number >= 1, found 'many'" in r.stderr and "[1/" not in r.stdout
+    assert time.monotonic() - t0 < 60
+    assert not Path(rig_env["DOUBLE_RECORD"]).exists()  # no ExecStart: no engine

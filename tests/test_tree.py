@@ -52,6 +52,36 @@ def test_rerun_needs_no_upstream(series, rig_env, tmp_path):
     assert git(tmp_path / "vllm", "rev-parse", "HEAD") == head
 
 
+def test_what_a_killed_run_left_is_removed_by_the_next_run_saying_so(series, rig_env, tmp_path):
+    """kill -9 skips every finally: a scratch worktree (git's entry still locked when `worktree add` itself was
+    killed), a .venv.old-* and a pack's .tmp stay. The next run removes them, even when every step is current."""
+    series.commit("api: patched", PY_PATCH)
+    accept_current(series)
+    assert run_rig(rig_env, "tree").code == 0
+    vllm = tmp_path / "vllm"
+    scratch = tmp_path / ".vllm.scratch-999999999"  # no such pid: its run is gone
+    git(vllm, "worktree", "add", "--quiet", "--detach", "--lock", str(scratch), "HEAD")
+    assert "locked" in git(vllm, "worktree", "list", "--porcelain")
+    old_venv = tmp_path / ".venv.old-1700000000"
+    (old_venv / "lib").mkdir(parents=True)
+    (old_venv / "lib" / "big").write_bytes(b"x" * 3_000_000)
+    art = tmp_path / "artifacts"
+    art.mkdir()
+    (art / ".ops.tar.zst.999999999.tmp").write_bytes(b"half")
+    keep = art / "notes.tmp"  # not a name the rig makes (no leading dot): not the rig's to remove
+    keep.write_text("mine")
+    env = {**rig_env, "VENV_DIR": str(tmp_path / ".venv"), "ARTIFACTS_DIR": str(art)}
+    r = run_rig(env, "tree")
+    assert r.code == 0 and "current: tree" in r.out, r.text
+    assert f"removed {scratch} (" in r.out and "left by a tree step that was killed" in r.out
+    assert f"removed {old_venv} (3 MB), left by a venv step that was killed" in r.out
+    assert f"removed {art / '.ops.tar.zst.999999999.tmp'} (0 MB), left by a pack that was killed" in r.out
+    assert not scratch.exists() and not old_venv.exists() and keep.exists()
+    assert git(vllm, "worktree", "list", "--porcelain").count("worktree ") == 1
+    again = run_rig(env, "tree")
+    assert "removed" not in again.out
+
+
 def test_new_patch_is_applied_on_the_kept_base_without_network(series, rig_env, tmp_path):
     assert run_rig(rig_env, "tree").code == 0
     series.commit("api: patched", PY_PATCH)

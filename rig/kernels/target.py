@@ -10,11 +10,15 @@ from __future__ import annotations
 import dataclasses
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 from rig import venvs
 from rig.config import Settings
 from rig.errors import BadInput, problem
 from rig.record import BuildRecord, path
+
+#: The key of series.toml's [upstream] that pins the wheel each device's precompiled kernels come from.
+WHEEL_PIN = {"cuda": "wheel_sha256", "cpu": "cpu_wheel_sha256"}
 
 #: What to run when the record of steps 1-5 is missing.
 FIRST = "./build.sh --only tools,tree,venv,runtime,toolchain"
@@ -57,3 +61,28 @@ def of_build(s: Settings, rec: BuildRecord) -> Target:
     return Target(device=s.device, ops_obj=rec.tree.ops_obj, arch=platform.machine() if cpu else s.arch,
                   python=f"{minor[0]}.{minor[1]}", cuda="none" if cpu else rec.toolchain.torch_cuda.split(".")[0],
                   torch=torch)
+
+
+def expected(s: Settings, rec: BuildRecord) -> Path | None:
+    """What a kernels tarball for this tree must hold, as a file ``verify --expect`` reads.
+
+    The ops step's record of a build here, when it is for this tree's OPS_OBJ; else the precompiled route's
+    list beside the series, when it was made from the wheel series.toml pins for this device; else None.
+    """
+    import tomllib
+
+    from rig import products, verify
+
+    own = s.vllm_dir / products.RECORD
+    if rec.tree is not None and own.is_file():
+        try:
+            if tomllib.loads(own.read_text())["facts"]["ops_obj"] == rec.tree.ops_obj:
+                return own
+        except (tomllib.TOMLDecodeError, KeyError, TypeError):
+            pass
+    listed = verify.list_path(s.patches_dir, s.device)
+    try:
+        pin = tomllib.loads((s.patches_dir / "series.toml").read_text())["upstream"].get(WHEEL_PIN[s.device])
+    except (OSError, tomllib.TOMLDecodeError, KeyError):
+        return None
+    return listed if pin and verify.list_header(listed).get("wheel_sha256") == pin else None

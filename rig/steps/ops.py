@@ -71,6 +71,8 @@ class OpsStep(Step):
         products.write(s.vllm_dir, rec)
         size = sum(v["size"] for v in rec.files.values()) / 1e6
         say(f"{len(rec.files)} products, {size:.1f} MB, recorded in {s.vllm_dir / products.RECORD}")
+        if way == "precompiled" and facts.get("wheel_sha256"):
+            _list_precompiled(s.patches_dir, s.device, facts["wheel_sha256"], rec)
         return outputs(s.vllm_dir, rec)
 
 
@@ -80,6 +82,23 @@ def outputs(vllm_dir: Path, rec: products.Record) -> record.Ops:
     return record.Ops(route=f["route"], ops_obj=f["ops_obj"], products=len(rec.files),
                       record=str(vllm_dir / products.RECORD), version=f["version"], arch=f.get("arch", ""),
                       python=f.get("python", ""))
+
+
+def _list_precompiled(patches_dir: Path, device: str, wheel_sha256: str, rec: products.Record) -> None:
+    """Keep the precompiled route's kernels beside the series, so that verify (and the container, which has no
+    build of its own) can check a tarball's files against them. Written only when they differ."""
+    from rig import verify
+
+    path = verify.list_path(patches_dir, device)
+    files = {n: (f["sha256"], f["size"]) for n, f in rec.files.items()}
+    try:
+        same = verify.read_expected(path).files == files and verify.list_header(path).get("wheel_sha256") == \
+            wheel_sha256
+    except verify.Refused:
+        same = False
+    if not same:
+        verify.write_list(path, device, wheel_sha256, files)
+        say(f"the precompiled kernels' list: {path} ({len(files)} files; commit it with the series)")
 
 
 def _clear_precompiled(vllm_dir: Path) -> None:

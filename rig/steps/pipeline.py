@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import record, series, uv
+from rig import leftovers, record, series, uv
 from rig.config import Settings
 from rig.console import fact, header, say
 from rig.errors import BadInput, problem
@@ -154,6 +154,7 @@ def run(steps: Sequence[Step], s: Settings, options: Options, only: Sequence[str
     by_name = {st.name: st for st in steps}
     from rig.steps.order import ORDER  # the one list of the steps (it imports this module)
 
+    leftovers.clean(s, say)  # what a killed run left: the lock says no run of the rig owns it now
     ctx = context(s, options)
     total = len(ORDER)
     chosen_names = {st.name for st in chosen}

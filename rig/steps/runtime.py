@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -32,6 +33,9 @@ HASH = re.compile(r"--hash=(sha256:[0-9a-f]{64})")
 BUILD_REQUIRES = ("cmake>=3.26.1", "ninja", "packaging>=24.2", "setuptools>=77.0.3,<81", "setuptools-scm>=8",
                   "setuptools-rust>=1.9", "wheel", "jinja2")
 HEARTBEAT_S = 30.0
+#: Written into the venv before an install and removed after it: present at the next run, it means the install
+#: was cut short (kill -9, power loss), and a .dist-info folder no longer proves its package is whole.
+MARKER = ".rig-install-incomplete"
 
 
 @dataclass
@@ -95,6 +99,9 @@ class RuntimeStep(Step):
         s = ctx.settings
         lock = read_lock(s.runtime_lock)
         _check_python(lock, s)
+        if cut := _cut_short(s.venv_dir):
+            return Status(False, f"an install into {s.venv_dir} was cut short ({cut}): its packages are checked "
+                                 "file by file and the broken ones installed again")
         rec = ctx.record.runtime
         missing = differences(lock, venvs.installed(s.venv_dir))
         if missing:
@@ -109,18 +116,34 @@ class RuntimeStep(Step):
         _check_python(lock, s)
         old = ctx.record.runtime.pin_digests if ctx.record.runtime else {}
         changed = [n for n in lock.pins if n in old and old[n] != lock.pin_digest(n)]
-        if not old:  # first install into this venv: check every hash, even of what is there
+        if not old or ctx.options.force:  # first install here, or --force: every hash, even of what is there
             changed = [n for n in lock.pins if n in venvs.installed(s.venv_dir)]
+        broken = venvs.damaged(s.venv_dir)
+        if broken:
+            first = next(iter(broken.items()))
+            say(f"{len(broken)} package(s) with files missing, e.g. {first[0]} ({first[1]}): installed again")
+            changed += [n for n in broken if n in lock.pins and n not in changed]
         say(f"installing {len(lock.pins)} pins from {s.runtime_lock} with hash checking")
+        marker = s.venv_dir / MARKER
+        atomic.write_text(marker, f"pid {os.getpid()} at {dt.datetime.now():%Y-%m-%d %H:%M:%S}\n")
         install(s, ctx.uv, lock, reinstall=changed)
         missing = differences(lock, venvs.installed(s.venv_dir))
         if missing:
             raise WorkFailed(f"after the install {len(missing)} pin(s) are still missing, e.g. {missing[0]}. "
                              f"Fix: remove {s.venv_dir} and run ./build.sh again")
+        marker.unlink()  # the install finished: nothing in the venv is half-written
         size = sum(f.stat().st_size for f in venvs.site_packages(s.venv_dir).rglob("*") if f.is_file()) / 1e9
         say(f"venv size: {size:.2f} GB")
         return record.Runtime(lock_sha256=lock.sha256, pins=len(lock.pins),
                               pin_digests={n: lock.pin_digest(n) for n in lock.pins})
+
+
+def _cut_short(venv: Path) -> str:
+    """What the marker of an install that never finished says ('' when there is none)."""
+    try:
+        return (venv / MARKER).read_text().strip() or "no details"
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
 
 
 def install(s: Settings, uv: str | None, lock: Lock, reinstall: list[str]) -> None:

@@ -92,7 +92,6 @@ class TreeStep(Step):
                     "export your commits as patches (git -C vllm format-patch), or discard them "
                     + (f"(git -C vllm reset --hard {rec.head})" if rec else "(move vllm/ away)")
                     + "; nothing was touched"))
-        worktree.clean_stale(s.vllm_dir, repo if rec else None)
         built = worktree.build(s, sr, files, repo, rec, ctx.options.accept)
         try:
             if rec is not None and (lost := worktree.in_the_way(repo, built, s.vllm_dir)):

@@ -131,9 +131,6 @@ class VenvStep(Step):
 
     def run(self, ctx: Context) -> record.Venv:
         s = ctx.settings
-        for stale in s.venv_dir.parent.glob(f"{s.venv_dir.name}.old-*"):  # a killed run of this step left it
-            say(f"removing {stale}, left by an interrupted run")
-            shutil.rmtree(stale, ignore_errors=True)
         python, how = find_python(s, ctx.uv)
         say(f"CPython {WANT_TEXT}: {python} (found by {how})")
         old = None
