@@ -312,6 +312,7 @@ def start(launch: Launch) -> int:
         say(f"engine stopped (exit {code})")
         return 0
     if _stopped_by_rig(s, rec):
+        sdnotify.notify("STOPPING=1", "STATUS=stopped by nox -s stop")
         say(f"engine stopped by nox -s stop (exit {code})")
         return 0
     return code if code >= 0 else 128 - code

@@ -148,6 +148,33 @@ def test_the_log_reader_shows_the_real_stats_lines(served):
     assert re.search(r"run \d+\s+wait \d+\s+KV [\d.]+%\s+prefix hit [\d.]+%", text), text[-2000:]
 
 
+def test_the_log_reader_follows_new_stats_lines_of_the_real_engine(served):
+    """``./vllm-logs.sh -f``: started on a quiet engine with no old lines (-n 0), it shows the stats lines of
+    requests sent after it started, as they come."""
+    import re
+    import threading
+
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    p = subprocess.Popen([str(dest / "vllm-logs.sh"), "--file", env["LOG"], "-f", "-n", "0"], cwd=dest, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    threading.Thread(target=lambda: seen.extend(p.stdout or []), daemon=True).start()
+    try:
+        time.sleep(8)  # the reader's own start (uv run of the noxfile)
+        before = len(seen)
+        for _ in range(3):
+            post(env, {"model": "demo", "messages": [{"role": "user", "content": "count to ten"}], "max_tokens": 64})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(re.search(r"gen\s+[1-9][\d.]* tok/s", ln) for ln in seen):
+            time.sleep(0.5)
+    finally:
+        p.terminate()
+        p.wait(30)
+    new = "".join(seen[before:])
+    assert re.search(r"gen\s+[1-9][\d.]* tok/s", new), ("".join(seen))[-2000:]
+
+
 def test_status_reports_the_running_real_engine(served):
     dest, env, r, _, state = served
     assert r.returncode == 0
@@ -301,7 +328,8 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
         time.sleep(1)
     assert p.poll() is None, p.stdout.read()[-4000:] if p.stdout else ""
     rec = tomllib_load(state)
-    assert rec["ready"] and rec["supervisor"] == p.pid
+    # the supervisor: start.sh execs nox.sh, which execs uv, which runs it as its child
+    assert rec["ready"] and rec["supervisor"] in [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
     text = log.read_text(errors="replace")
     assert "The API server listens on 0.0.0.0 (every interface) and no API key is set" in text, text[-3000:]
     assert engine_processes(rec["pgid"])
