@@ -22,7 +22,8 @@ from rig.config import Settings
 VERIFY_DEST = "verify-dest"  # nox -s verify's scratch destination, under RIG_STATE
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process of that pid runs (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,13 +62,13 @@ def found(s: Settings) -> list[tuple[Path, str]]:
     for vllm_dir in {s.vllm_dir}:
         for p in vllm_dir.parent.glob(f".{vllm_dir.name}.scratch-*"):
             pid = _pid_of(p.name)
-            if pid is None or not _alive(pid):
+            if pid is None or not alive(pid):
                 out.append((p, "a tree step that was killed"))
     out += [(p, "a venv step that was killed") for p in s.venv_dir.parent.glob(f"{s.venv_dir.name}.old-*")]
     if s.artifacts_dir.is_dir():
         for p in s.artifacts_dir.glob(".*.tmp"):
             pid = _pid_of(p.name)
-            if pid is None or pid == os.getpid() or not _alive(pid):
+            if pid is None or pid == os.getpid() or not alive(pid):
                 out.append((p, "a pack that was killed"))
     if (s.state_dir / VERIFY_DEST).exists():
         out.append((s.state_dir / VERIFY_DEST, "a verify that was killed"))

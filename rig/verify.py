@@ -46,6 +46,7 @@ from typing import IO
 from rig.artifacts import MANIFEST, SUMS, TARBALLS, Refused, _clean, check_target, read_manifest, read_sums
 from rig.errors import WorkFailed
 from rig.hashing import sha256_file
+from rig.leftovers import alive
 
 #: The most a kernel tarball may expand, when no expected sizes are known: shared objects and sources
 #: compress 3 to 6 times; a member that goes past this is a decompression bomb, not kernels.
@@ -312,21 +313,11 @@ def clean_scratch(dest: Path) -> list[Path]:
     gone = []
     for d in dest.glob(f"{SCRATCH}*"):
         pid = d.name[len(SCRATCH):]
-        if pid.isdigit() and _alive(int(pid)):
+        if pid.isdigit() and alive(int(pid)):
             continue
         shutil.rmtree(d, ignore_errors=True)
         gone.append(d)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _extract_hashed(tar: Path, tmp: Path, sums: dict[str, str]) -> None:
