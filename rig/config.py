@@ -165,10 +165,11 @@ VARS: tuple[Var, ...] = (
         "abliteration", "serve", service=True),
     Var("ABLITERATION_DIR", "abliteration", "The folder with the refusal-direction files.", path, "abliteration_dir",
         "serve", service=True),
-    Var("GUARD", "warn", "Bounds-guard telemetry of the series: `off`, `warn` or `raise`.", choice(*GUARDS), "guard",
-        "serve", service=True),
-    Var("COUNTERS", "0", "`1` adds the series' kernel counters to the log.", flag, "counters", "serve",
-        service=True),
+    Var("GUARD", "warn", "The series' bounds guard (patch 0003) on prompt token ids, positions and sampling "
+        "values: `off` checks nothing; `warn` counts, logs the first of each kind and lets the request go on; "
+        "`raise` answers 400 naming the check.", choice(*GUARDS), "guard", "serve", service=True),
+    Var("COUNTERS", "0", "`1` adds the guard's counts to the engine's stats line (`./vllm-logs.sh` shows "
+        "`guard T/P/S`).", flag, "counters", "serve", service=True),
     Var("START_TIMEOUT", "1800", "Seconds `./start.sh` waits for the first healthy answer (a first start "
         "compiles CUDA graphs).", whole, "start_timeout", "serve", service=True),
     Var("HANG_WINDOW", "300", "Seconds with requests pending and no token generated before the engine counts as "

@@ -38,7 +38,10 @@ STATS_FIELDS = {  # key in the line -> our name; the value's first word is the n
     "Waiting": "waiting", "Deferred": "deferred", "Preemptions": "preempted", "Corrupted": "corrupted",
     "Prefix cache hit rate": "prefix_hit", "External prefix cache hit rate": "ext_prefix_hit",
     "MM cache hit rate": "mm_hit",
+    # the series' counters (COUNTERS=1, patches/0003-bounds-guard.patch)
+    "Guard token_ids": "guard_token_ids", "Guard positions": "guard_positions", "Guard sampling": "guard_sampling",
 }
+GUARD_KINDS = ("token_ids", "positions", "sampling")
 STATS_RE = re.compile(
     r"Avg prompt throughput: (?P<prompt>\S+) tokens/s, Avg generation throughput: (?P<gen>\S+) tokens/s, "
     r"Running: (?P<running>\d+) reqs, Waiting: (?P<waiting>\d+) reqs(?:, Deferred: (?P<deferred>\d+) reqs)?"
@@ -135,6 +138,9 @@ def render(stats: Event, spec: Event | None, c: Palette) -> str:
     kv = d["kv"]
     parts.append(f"KV {c('31' if kv >= 90 else '33' if kv >= 70 else '0', _pct(kv))}")
     parts.append(f"prefix hit {_pct(d['prefix_hit'])}")
+    if any(f"guard_{k}" in d for k in GUARD_KINDS):
+        counts = [int(d.get(f"guard_{k}", 0)) for k in GUARD_KINDS]
+        parts.append(c("33" if any(counts) else "0", "guard " + "/".join(map(str, counts))))
     if spec:
         al, ar = spec.data["accept_len"], spec.data["accept_rate"]
         parts.append(f"MTP len {'nan' if al != al else f'{al:.2f}'} accept {_pct(ar)}")

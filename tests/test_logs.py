@@ -43,6 +43,16 @@ def test_stats_fields_all_parsed():
     assert full["ext_prefix_hit"] == 12.5 and full["mm_hit"] == 50.0 and full["engine"] == "001"
 
 
+def test_the_series_guard_counters_are_read_field_by_field_and_shown():
+    """COUNTERS=1 (patches/0003-bounds-guard.patch) appends its fields; one vLLM adds later does not break them."""
+    msg = STATS + ", Guard token_ids: 2, Guard positions: 0, Guard sampling: 1, Some later field: 3 things"
+    ev = logs.parse(line(msg))
+    assert ev.data["guard_token_ids"] == 2 and ev.data["guard_positions"] == 0 and ev.data["guard_sampling"] == 1
+    shown = logs.render(ev, None, logs.Palette(False))
+    assert shown.endswith("prefix hit 38.5%  guard 2/0/1"), shown
+    assert "guard" not in logs.render(logs.parse(line(STATS)), None, logs.Palette(False))
+
+
 def test_spec_and_capacity_lines():
     sp = logs.parse(line(SPEC))
     assert sp.kind == "spec" and sp.data == {"accept_len": 2.71, "accept_rate": 57.0}

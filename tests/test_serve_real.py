@@ -39,6 +39,21 @@ def post(env: dict, body: dict, key: str | None = KEY) -> tuple[int, dict]:
         return exc.code, {}
 
 
+def completion(env: dict, body: dict, key: str | None = KEY) -> tuple[int, str]:
+    """A completion to the served engine: (HTTP status, the body's text)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{env['PORT']}/v1/completions", data=json.dumps(body).encode(),
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+OUT_OF_VOCAB = {"model": "demo", "prompt": [1, 2, 999999], "max_tokens": 4}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -195,6 +210,19 @@ def test_the_series_logs_the_names_the_model_is_served_under(served):
     assert "listens on" not in log  # 0001's warning: not on loopback with a key
 
 
+def test_guard_warn_counts_logs_once_per_kind_and_lets_upstream_answer(served):
+    """GUARD=warn (the rig's default), patch 0003 in the real engine: the request goes on to vLLM's own check."""
+    _, env, r, _, _ = served
+    assert r.returncode == 0
+    for _ in range(2):
+        code, text = completion(env, OUT_OF_VOCAB)
+        assert code == 400 and "Token id 999999 is out of vocabulary" in text, text  # upstream's answer
+    assert completion(env, {"model": "demo", "prompt": "hello", "max_tokens": 4})[0] == 200  # still serving
+    log = Path(env["LOG"]).read_text(errors="replace")
+    assert log.count("guard token_ids: token id 999999 is outside [0, ") == 1, log[-3000:]  # once per kind
+    assert "GUARD=warn: counted, logged once per kind" in log
+
+
 def bench_rows(md: str) -> dict[tuple[int, str], float]:
     """(concurrency, 'prefill' | 'generation') -> t/s from the results table bench.sh prints."""
     rows = {}
@@ -225,7 +253,8 @@ def test_bench_sh_measures_the_real_engine_and_compares_a_second_run(served, tmp
     assert report["version"] == "0.4.0" and report["model"] == "demo"
     assert sorted(b["concurrency"] for b in report["benchmarks"]) == [1, 4]
     for b in report["benchmarks"]:
-        assert b["tg_throughput"]["mean"] > 0 and b["pp_throughput"]["mean"] > 0, b
+        # per request at each level (llama-benchy's all-request prefill figure is null at concurrency 1)
+        assert b["tg_throughput"]["mean"] > 0 and b["pp_req_throughput"]["mean"] > 0, b
     assert (d1 / "throughput.png").stat().st_size > 1000
     assert "No earlier run with these parameters" in (d1 / "results.md").read_text()
     assert f"`{d1.name}`" in (d2 / "results.md").read_text()  # the second run is compared with the first
@@ -287,9 +316,15 @@ def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_end
 
     dest, env, r, _, _ = served
     assert r.returncode == 0
-    again = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True, text=True,
+    off = {**env, "GUARD": "off"}  # this engine also shows GUARD=off: nothing checked, nothing counted
+    again = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=off, capture_output=True, text=True,
                            timeout=900)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    warned = Path(env["LOG"]).read_text(errors="replace").count("guard token_ids:")
+    code, text = completion(env, OUT_OF_VOCAB)
+    assert code == 400 and "Token id 999999 is out of vocabulary" in text and "guard" not in text, text
+    time.sleep(1)
+    assert Path(env["LOG"]).read_text(errors="replace").count("guard token_ids:") == warned
     rec = tomllib_load(dest / ".rig" / "engine.toml")
     server = next(p for p in psutil.process_iter(["pid", "cmdline"])
                   if os_pgid(p.pid) == rec["pgid"] and "serve" in (p.info["cmdline"] or [])[:3])
@@ -317,7 +352,8 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     dest, env, r, _, _ = served
     assert r.returncode == 0
     log = tmp_path / "fg.log"
-    fg = {**env, "HOST": "0.0.0.0", "VLLM_API_KEY": "", "PORT": str(free_port()), "LOG": str(log)}
+    fg = {**env, "HOST": "0.0.0.0", "VLLM_API_KEY": "", "PORT": str(free_port()), "LOG": str(log), "GUARD": "raise",
+          "COUNTERS": "1"}
     p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=fg,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     state = dest / ".rig" / "engine.toml"
@@ -333,6 +369,17 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     text = log.read_text(errors="replace")
     assert "The API server listens on 0.0.0.0 (every interface) and no API key is set" in text, text[-3000:]
     assert engine_processes(rec["pgid"])
+    # GUARD=raise, patch 0003: a 400 that names the check, and the engine keeps serving; COUNTERS=1 counts them
+    code, body = completion(fg, OUT_OF_VOCAB, key=None)
+    assert code == 400 and "guard token_ids: token id 999999 is outside [0, " in body, body
+    code, body = completion(fg, {"model": "demo", "prompt": "hi", "max_tokens": 4, "repetition_penalty": 5}, None)
+    assert code == 400 and "guard sampling: repetition_penalty 5.0 is outside (0, 2]" in body, body
+    assert completion(fg, {"model": "demo", "prompt": "hello", "max_tokens": 8}, key=None)[0] == 200
+    time.sleep(2.5)  # the next stats line (VLLM_LOG_STATS_INTERVAL=1) carries the counts
+    shown = subprocess.run([str(dest / "vllm-logs.sh"), "--file", str(log), "-n", "100000"], cwd=dest, env=fg,
+                           capture_output=True, text=True, timeout=300)
+    assert "Guard token_ids: 1, Guard positions: 0, Guard sampling: 1" in log.read_text(errors="replace")
+    assert "guard 1/0/1" in shown.stdout, shown.stdout[-2000:]
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out[-3000:]
@@ -342,3 +389,19 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
         time.sleep(0.5)
     assert not engine_processes(rec["pgid"]), [q.info for q in engine_processes(rec["pgid"])]
     assert not state.exists()
+
+
+def test_a_bad_guard_value_stops_the_engine_naming_it(served, tmp_path):
+    """The rig refuses GUARD=bogus itself (exit 2); the patched engine, started bare, refuses it too, before its
+    engine core starts."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    rig = subprocess.run([str(dest / "start.sh"), "--demo", "--dry-run"], cwd=dest, env={**env, "GUARD": "bogus"},
+                         capture_output=True, text=True, timeout=300)
+    assert rig.returncode == 2 and "GUARD" in rig.stderr, rig.stderr
+    ckpt = Path(env["RIG_CACHE"]) / "models" / "demo"
+    bare = subprocess.run([str(dest / ".venv-cpu" / "bin" / "vllm"), "serve", str(ckpt), "--port", str(free_port()),
+                           "--max-model-len", "1024"], cwd=tmp_path, env={**env, "GUARD": "bogus"},
+                          capture_output=True, text=True, timeout=600)
+    out = bare.stdout + bare.stderr
+    assert bare.returncode != 0 and "GUARD: expected one of off, warn, raise, found 'bogus'" in out, out[-3000:]
