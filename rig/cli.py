@@ -186,9 +186,9 @@ def stop(argv: Sequence[str]) -> int:
                   "STOP_TIMEOUT seconds, then check that no process of it is left.").parse_args(argv)
 
     def go() -> int:
-        from rig import supervise
+        from rig import control
 
-        return supervise.stop(config.settings(), config.serve_settings())
+        return control.stop(config.settings(), config.serve_settings())
 
     return guard(go)
 
@@ -200,9 +200,9 @@ def status(argv: Sequence[str]) -> int:
                   "hung, 3 not running.").parse_args(argv)
 
     def go() -> int:
-        from rig import supervise
+        from rig import control
 
-        return supervise.status(config.settings(), config.serve_settings())
+        return control.status(config.settings(), config.serve_settings())
 
     return guard(go)
 

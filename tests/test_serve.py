@@ -202,6 +202,23 @@ def test_a_foreground_engine_stopped_by_nox_stop_is_a_stop_not_a_crash(rig_env):
     assert not supervise.group_members(rec["pgid"])
 
 
+def test_a_foreground_engine_that_dies_on_its_own_exits_non_zero(rig_env):
+    """An engine killed after it was healthy (the OOM killer, a crash): not a stop, so the supervisor's exit is
+    not 0 and systemd's Restart=on-failure starts it again."""
+    proc = subprocess.Popen([sys.executable, "-m", "rig.cli", "start", "--no-build", "--skip-box-check",
+                             "--foreground"], cwd=ROOT, env=rig_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(proc, "ready in")
+        rec = record(rig_env)
+        os.killpg(rec["pgid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, out
+    assert "stopped by nox -s stop" not in out and "engine stopped" not in out, out
+
+
 def test_empty_log_keeps_the_output_on_the_terminal_and_warns_when_open(rig_env):
     env = {**rig_env, "LOG": "", "HOST": "0.0.0.0"}
     proc = subprocess.Popen([sys.executable, "-m", "rig.cli", "start", "--no-build", "--skip-box-check"], cwd=ROOT,

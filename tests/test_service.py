@@ -437,7 +437,8 @@ def test_the_unit_starts_notifies_and_stops_as_systemd_would(unit_env_file):
             main.kill()
         notify.close()
     text = "".join(out)
-    assert main.returncode == 0, text
+    clean = {0, *map(int, unit.get("SuccessExitStatus", [""])[0].split() or [])}  # what systemd counts as clean
+    assert main.returncode in clean, text
     assert not killed, f"systemd's SIGKILL was needed for {killed}:\n{text}"
     assert "engine stopped by nox -s stop" in text or "engine stopped (exit" in text
     assert not engine_processes(rec["pgid"], env["CKPT"])
