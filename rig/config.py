@@ -137,7 +137,8 @@ VARS: tuple[Var, ...] = (
         "profile", service=True),
     Var("CKPT", "the profile's `checkpoint`", "The checkpoint folder on the host (with its `config.json`).",
         checkpoint, "ckpt", derived=True, service=True),
-    Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint.", path, "scales",
+    Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint:"
+        " passed to the engine, but no patch of this series reads it yet.", path, "scales",
         derived=True, service=True),
     Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface.", host, "host",
         service=True),
@@ -158,10 +159,11 @@ VARS: tuple[Var, ...] = (
         whole, "max_batched_tokens", "serve", service=True),
     Var("VLLM_LOG_STATS_INTERVAL", "1", "Seconds between the engine's stats lines (vLLM's own default is 10).",
         seconds, "stats_interval", "serve", service=True),
-    Var("PLE_HOME", "0", "The card that hosts the PLE offload (the series reads it).", index, "ple_home", "serve",
-        service=True),
+    Var("PLE_HOME", "0", "The card that hosts the PLE offload: passed to the engine, but no patch of this series "
+        "reads it yet.", index, "ple_home", "serve", service=True),
     Var("QWEN38_ABLITERATION", "Qwen3.8-Flash-Next-Uncensored",
-        "Refusal-direction removal at run time (the series reads it); empty turns it off.", keep_empty,
+        "Refusal-direction removal at run time: passed to the engine, but no patch of this series reads it yet; "
+        "empty turns it off.", keep_empty,
         "abliteration", "serve", service=True),
     Var("ABLITERATION_DIR", "abliteration", "The folder with the refusal-direction files.", path, "abliteration_dir",
         "serve", service=True),
