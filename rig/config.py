@@ -137,9 +137,9 @@ VARS: tuple[Var, ...] = (
         "profile", service=True),
     Var("CKPT", "the profile's `checkpoint`", "The checkpoint folder on the host (with its `config.json`).",
         checkpoint, "ckpt", derived=True, service=True),
-    Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint:"
-        " passed to the engine, but no patch of this series reads it yet.", path, "scales",
-        derived=True, service=True),
+    Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint (patch 0004: one "
+        "`k_scale` and `v_scale` per layer, checked against the model at load).", path, "scales", derived=True,
+        service=True),
     Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface.", host, "host",
         service=True),
     Var("PORT", "8000", "The port the API listens on.", port, "port", service=True),

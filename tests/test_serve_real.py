@@ -352,8 +352,10 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     dest, env, r, _, _ = served
     assert r.returncode == 0
     log = tmp_path / "fg.log"
+    scales = tmp_path / "scales.json"  # patch 0004: the FP8 KV scales sidecar, one entry per layer of the demo
+    scales.write_text(json.dumps({"layers": [{"k_scale": 0.5, "v_scale": 0.25}, {"k_scale": 1.0, "v_scale": 2.0}]}))
     fg = {**env, "HOST": "0.0.0.0", "VLLM_API_KEY": "", "PORT": str(free_port()), "LOG": str(log), "GUARD": "raise",
-          "COUNTERS": "1"}
+          "COUNTERS": "1", "SCALES": str(scales)}
     p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=fg,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     state = dest / ".rig" / "engine.toml"
@@ -368,6 +370,7 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     assert rec["ready"] and rec["supervisor"] in [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
     text = log.read_text(errors="replace")
     assert "The API server listens on 0.0.0.0 (every interface) and no API key is set" in text, text[-3000:]
+    assert f"SCALES: k/v scales of 2 layers loaded from {scales}" in text, text[-3000:]
     assert engine_processes(rec["pgid"])
     # GUARD=raise, patch 0003: a 400 that names the check, and the engine keeps serving; COUNTERS=1 counts them
     code, body = completion(fg, OUT_OF_VOCAB, key=None)
@@ -405,3 +408,34 @@ def test_a_bad_guard_value_stops_the_engine_naming_it(served, tmp_path):
                           capture_output=True, text=True, timeout=600)
     out = bare.stdout + bare.stderr
     assert bare.returncode != 0 and "GUARD: expected one of off, warn, raise, found 'bogus'" in out, out[-3000:]
+
+
+SIDECARS = {
+    "not JSON": ("{layers: oops", "not JSON (Expecting property name enclosed in double quotes at line 1)"),
+    "another model's layer count": (json.dumps({"layers": [{"k_scale": 1.0, "v_scale": 1.0}] * 3}),
+                                    "expected 2 layers (the model's), found 3"),
+    "a scale that is not positive": (json.dumps({"layers": [{"k_scale": 1.0, "v_scale": 1.0},
+                                                            {"k_scale": 0.5, "v_scale": -1}]}),
+                                     "layer 1: v_scale: expected a positive finite number, found -1"),
+    "a scale that is not finite": ('{"layers": [{"k_scale": NaN, "v_scale": 1.0}, {"k_scale": 1.0, "v_scale": 1.0}]}',
+                                   "layer 0: k_scale: expected a positive finite number, found nan"),
+}
+
+
+@pytest.mark.parametrize("case", list(SIDECARS))
+def test_a_bad_scales_sidecar_stops_the_engine_naming_the_file_and_the_layer(served, tmp_path, case):
+    """Patch 0004: the sidecar is checked against the model when the weights load; the start ends with exit 1 and
+    the engine's own line, and nothing is left running."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    text, want = SIDECARS[case]
+    sidecar = tmp_path / "scales.json"
+    sidecar.write_text(text)
+    bad = {**env, "SCALES": str(sidecar), "PORT": str(free_port()), "LOG": str(tmp_path / "bad.log")}
+    s = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=bad, capture_output=True, text=True,
+                       timeout=900)
+    assert s.returncode == 1, (s.stdout + s.stderr)[-3000:]
+    log = (tmp_path / "bad.log").read_text(errors="replace")
+    assert f"SCALES={sidecar}: {want}" in log, log[-3000:]
+    assert not (dest / ".rig" / "engine.toml").exists()
+    assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
