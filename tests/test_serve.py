@@ -184,20 +184,29 @@ def test_foreground_stops_cleanly_on_sigterm(rig_env, via):
     assert not (Path(rig_env["RIG_STATE"]) / "engine.toml").exists()
 
 
-def test_a_foreground_engine_stopped_by_nox_stop_is_a_stop_not_a_crash(rig_env):
-    """The unit's ExecStop (or a second terminal) runs nox -s stop: the supervisor exits 0, so systemd's
-    Restart=on-failure does not start it again."""
+def _foreground_then(rig_env: dict[str, str], act) -> tuple[subprocess.Popen, str, dict]:
+    """A foreground start of the double; once it is ready, ``act(record)``; then its output and exit."""
     proc = subprocess.Popen([sys.executable, "-m", "rig.cli", "start", "--no-build", "--skip-box-check",
                              "--foreground"], cwd=ROOT, env=rig_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(proc, "ready in")
         rec = record(rig_env)
-        r = run_rig(rig_env, "stop")
-        assert r.code == 0 and "no process of it is left" in r.out, r.text
+        act(rec)
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
+    return proc, out, rec
+
+
+def test_a_foreground_engine_stopped_by_nox_stop_is_a_stop_not_a_crash(rig_env):
+    """The unit's ExecStop (or a second terminal) runs nox -s stop: the supervisor exits 0, so systemd's
+    Restart=on-failure does not start it again."""
+    def stop(_rec: dict) -> None:
+        r = run_rig(rig_env, "stop")
+        assert r.code == 0 and "no process of it is left" in r.out, r.text
+
+    proc, out, rec = _foreground_then(rig_env, stop)
     assert proc.returncode == 0 and "engine stopped by nox -s stop" in out, out
     assert not supervise.group_members(rec["pgid"])
 
@@ -205,16 +214,7 @@ def test_a_foreground_engine_stopped_by_nox_stop_is_a_stop_not_a_crash(rig_env):
 def test_a_foreground_engine_that_dies_on_its_own_exits_non_zero(rig_env):
     """An engine killed after it was healthy (the OOM killer, a crash): not a stop, so the supervisor's exit is
     not 0 and systemd's Restart=on-failure starts it again."""
-    proc = subprocess.Popen([sys.executable, "-m", "rig.cli", "start", "--no-build", "--skip-box-check",
-                             "--foreground"], cwd=ROOT, env=rig_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for(proc, "ready in")
-        rec = record(rig_env)
-        os.killpg(rec["pgid"], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
+    proc, out, _ = _foreground_then(rig_env, lambda rec: os.killpg(rec["pgid"], signal.SIGKILL))
     assert proc.returncode != 0, out
     assert "stopped by nox -s stop" not in out and "engine stopped" not in out, out
 
