@@ -252,9 +252,14 @@ def test_bench_sh_measures_the_real_engine_and_compares_a_second_run(served, tmp
     report = json.loads((d1 / "llama-benchy.json").read_text())
     assert report["version"] == "0.4.0" and report["model"] == "demo"
     assert sorted(b["concurrency"] for b in report["benchmarks"]) == [1, 4]
+    def measured(b: dict, *keys: str) -> float:
+        """The first of these figures llama-benchy measured: it leaves one null when its samples allow no
+        figure (the all-request prefill at concurrency 1; now and then a 16-token answer's timing)."""
+        return next((b[k]["mean"] for k in keys if b.get(k)), 0.0)
+
     for b in report["benchmarks"]:
-        # per request at each level (llama-benchy's all-request prefill figure is null at concurrency 1)
-        assert b["tg_throughput"]["mean"] > 0 and b["pp_req_throughput"]["mean"] > 0, b
+        assert measured(b, "tg_throughput", "tg_req_throughput") > 0, b
+        assert measured(b, "pp_req_throughput", "pp_throughput") > 0, b
     assert (d1 / "throughput.png").stat().st_size > 1000
     assert "No earlier run with these parameters" in (d1 / "results.md").read_text()
     assert f"`{d1.name}`" in (d2 / "results.md").read_text()  # the second run is compared with the first
