@@ -178,8 +178,14 @@ def _compressor(dest: Path, zstd: str | None) -> Iterator[IO[bytes]]:
                 raise WorkFailed(f"zstd failed (exit {proc.returncode}) while writing {dest}")
 
 
-def current(out: Path, facts: dict, sums_text: str, rehash: bool = False) -> str:
-    """'' when ``out`` holds a complete pack of these kernels, else what is missing or stale."""
+def current(out: Path, facts: dict, sums_text: str, rehash: bool = False,
+            packed: tuple[str, int, int] | None = None) -> str:
+    """'' when ``out`` holds a complete pack of these kernels, else what is missing or stale.
+
+    ``packed``: the tarball this build packed, as (sha256, size, mtime_ns). A manifest naming another tarball
+    is stale; the tarball is re-hashed against the manifest when ``rehash`` is asked, when its size or mtime
+    differ from ``packed``, or when nothing is recorded: a tarball swapped for another valid one is not trusted.
+    """
     if not (out / MANIFEST).exists():
         return f"no {MANIFEST} yet"
     try:
@@ -192,8 +198,14 @@ def current(out: Path, facts: dict, sums_text: str, rehash: bool = False) -> str
     tar = out / str(m["tarball"])
     if not tar.exists():
         return f"{tar.name} is missing"
-    if rehash and sha256_file(tar) != m["tarball_sha256"]:
-        return f"{tar.name} does not match the manifest's sha256"
+    if packed and m["tarball_sha256"] != packed[0]:
+        return f"{MANIFEST} names tarball sha256 {m['tarball_sha256'][:12]}, this build packed {packed[0][:12]}"
+    st = tar.stat()
+    if rehash or not packed or (st.st_size, st.st_mtime_ns) != packed[1:]:
+        found = sha256_file(tar)
+        if found != m["tarball_sha256"]:
+            return (f"{tar.name} does not match the manifest's sha256 (found {found[:12]}, expected "
+                    f"{m['tarball_sha256'][:12]})")
     try:
         if (out / SUMS).read_text() != sums_text:
             return f"{SUMS} differs from the build record"

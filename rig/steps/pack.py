@@ -11,7 +11,6 @@ from rig import artifacts, products, record
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, problem
-from rig.hashing import sha256_file
 from rig.kernels import target
 from rig.steps.pipeline import Context, Status, Step
 
@@ -42,13 +41,13 @@ class PackStep(Step):
             return Status(True, "skipped (--no-pack or PACK=0)")
         facts = manifest_facts(s, ctx.record)
         sums = (s.vllm_dir / products.SUMS).read_text()
+        done = ctx.record.pack
         why = artifacts.current(s.artifacts_dir, {k: facts[k] for k in ("ops_obj", "route", "arch")}, sums,
-                                rehash=ctx.options.verify)
+                                rehash=ctx.options.verify,
+                                packed=(done.sha256, done.size, done.mtime_ns) if done and done.sha256 else None)
         if why:
             return Status(False, f"{s.artifacts_dir}: {why}")
         m = artifacts.read_manifest(s.artifacts_dir / artifacts.MANIFEST)
-        if why := _swapped(s, m, ctx.record.pack):
-            return Status(False, why)
         return Status(True, f"{s.artifacts_dir} holds these kernels ({m['files']} files)", _outputs(s, m))
 
     def run(self, ctx: Context) -> record.Pack:
@@ -56,24 +55,6 @@ class PackStep(Step):
         facts = manifest_facts(s, ctx.record)
         say(f"packing the kernels for OPS_OBJ {facts['ops_obj'][:12]} into {s.artifacts_dir} (no compile)")
         return _outputs(s, artifacts.pack(s.vllm_dir, s.artifacts_dir, facts))
-
-
-def _swapped(s: Settings, m: dict, packed: record.Pack | None) -> str:
-    """Why the tarball is not the one this build packed ('' when it is). Its size and mtime are compared with
-    the record, and its sha256 whenever they differ (or no pack of this build is recorded): a tarball swapped
-    for another valid one is packed again, not trusted."""
-    tar = s.artifacts_dir / m["tarball"]
-    st = tar.stat()
-    if packed and packed.sha256 and m["tarball_sha256"] != packed.sha256:
-        return f"{artifacts.MANIFEST} names tarball sha256 {m['tarball_sha256'][:12]}, this build packed " \
-               f"{packed.sha256[:12]}"
-    if packed and packed.sha256 and (st.st_size, st.st_mtime_ns) == (packed.size, packed.mtime_ns):
-        return ""
-    found = sha256_file(tar)
-    if found != m["tarball_sha256"]:
-        return f"{tar.name} does not match the manifest's sha256 (found {found[:12]}, expected " \
-               f"{m['tarball_sha256'][:12]})"
-    return ""
 
 
 def _outputs(s: Settings, m: dict) -> record.Pack:
