@@ -37,12 +37,13 @@ import tarfile
 import tempfile
 import tomllib
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from rig import atomic
 from rig.artifacts import MANIFEST, SUMS, TARBALLS, Refused, _clean, check_target, read_manifest, read_sums
 from rig.errors import WorkFailed
 from rig.hashing import sha256_file
@@ -64,6 +65,7 @@ class Expected:
     source: str
     route: str
     files: dict[str, tuple[str, int]]
+    wheel_sha256: str = ""  # a precompiled list's: the wheel its kernels came from
 
 
 def read_expected(path: Path) -> Expected:
@@ -83,19 +85,29 @@ def read_expected(path: Path) -> Expected:
             return Expected(str(path), str(rec["facts"]["route"]), files)
         except (KeyError, TypeError, ValueError, AttributeError):
             raise Refused(f"{path}: not the ops step's record of its products. Fix: ./build.sh") from None
-    head: dict[str, str] = {}
+    lines = text.splitlines()
+    head = _header(lines)
     files = {}
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if line.startswith("#"):
-            key, sep, value = line[1:].partition(":")
-            if sep:
-                head[key.strip()] = value.strip()
             continue
         parts = line.split(" ", 2)
         if len(parts) != 3 or len(parts[0]) != 64 or not parts[1].isdigit():
             raise Refused(f"{path}:{n}: expected '<sha256> <size> <path>', found {line[:80]!r}")
         files[parts[2]] = (parts[0], int(parts[1]))
-    return Expected(str(path), head.get("route", "precompiled"), files)
+    return Expected(str(path), head.get("route", "precompiled"), files, head.get("wheel_sha256", ""))
+
+
+def _header(lines: Iterable[str]) -> dict[str, str]:
+    """The ``# key: value`` lines at the top of a precompiled list."""
+    head = {}
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        key, sep, value = line[1:].partition(":")
+        if sep:
+            head[key.strip()] = value.strip()
+    return head
 
 
 def list_path(patches_dir: Path, device: str) -> Path:
@@ -104,31 +116,21 @@ def list_path(patches_dir: Path, device: str) -> Path:
 
 
 def write_list(path: Path, device: str, wheel_sha256: str, files: dict[str, tuple[str, int]]) -> None:
-    """The precompiled route's list of kernels, written atomically (a temporary sibling, then a rename)."""
+    """The precompiled route's list of kernels, written atomically."""
     lines = [f"# The kernels the precompiled route installs for DEVICE={device}: sha256, size, path in the tree.",
              "# ./build.sh writes it from the wheel below; verify checks a tarball's files against it.",
              "# route: precompiled", f"# device: {device}", f"# wheel_sha256: {wheel_sha256}"]
     lines += [f"{sha} {size} {name}" for name, (sha, size) in sorted(files.items())]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(path, "\n".join(lines) + "\n")
 
 
 def list_header(path: Path) -> dict[str, str]:
-    """The ``# key: value`` lines at the top of a precompiled list (empty when there is none)."""
-    head = {}
+    """The ``# key: value`` lines at the top of a precompiled list, read alone (empty when there is none)."""
     try:
         with open(path) as fh:
-            for line in fh:
-                if not line.startswith("#"):
-                    break
-                key, sep, value = line[1:].partition(":")
-                if sep:
-                    head[key.strip()] = value.strip()
+            return _header(fh)
     except OSError:
-        pass
-    return head
+        return {}
 
 
 # -- reading the tarball ----------------------------------------------------------------------------------

@@ -92,8 +92,8 @@ def _list_precompiled(patches_dir: Path, device: str, wheel_sha256: str, rec: pr
     path = verify.list_path(patches_dir, device)
     files = {n: (f["sha256"], f["size"]) for n, f in rec.files.items()}
     try:
-        same = verify.read_expected(path).files == files and verify.list_header(path).get("wheel_sha256") == \
-            wheel_sha256
+        listed = verify.read_expected(path)
+        same = listed.files == files and listed.wheel_sha256 == wheel_sha256
     except verify.Refused:
         same = False
     if not same:
