@@ -17,7 +17,7 @@ from rig.errors import WorkFailed
 from rig.health import health
 from rig.leftovers import alive
 from rig.supervise import (
-    _ago,
+    ago,
     engine_key,
     group_members,
     leftovers,
@@ -87,7 +87,7 @@ def status(s: Settings, v: Serve) -> int:
     hung = look.hung or bool(rec.hang)
     capacity = rec.capacity or (_capacity_from_log(rec.log) if rec.log else "")
     mode = f"foreground under pid {rec.supervisor}" if rec.supervisor else "detached"
-    say(f"pid {rec.pid} ({mode}), up {_ago(rec.started)}, {rec.host}:{rec.port}, model {rec.model}")
+    say(f"pid {rec.pid} ({mode}), up {ago(rec.started)}, {rec.host}:{rec.port}, model {rec.model}")
     say(f"health: {'ok' if ok else 'FAILING' if checked else 'not checked'} ({detail})")
     say(f"watchdog: {look.line()}" + (f"; the supervisor is ending it: {rec.hang}" if rec.hang else ""))
     say(capacity or "KV cache line: not in the log yet")

