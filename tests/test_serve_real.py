@@ -27,28 +27,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 KEY = "demo-key-for-the-tests"
 
 
-def post(env: dict, body: dict, key: str | None = KEY) -> tuple[int, dict]:
-    """A chat completion to the served engine: (HTTP status, JSON body)."""
+def request(env: dict, route: str, body: dict, key: str | None = KEY) -> tuple[int, str]:
+    """A POST to the served engine's ``/v1/<route>``: (HTTP status, the body's text, an error's too)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(f"http://127.0.0.1:{env['PORT']}/v1/chat/completions",
-                                 data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, {}
-
-
-def completion(env: dict, body: dict, key: str | None = KEY) -> tuple[int, str]:
-    """A completion to the served engine: (HTTP status, the body's text)."""
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(f"http://127.0.0.1:{env['PORT']}/v1/completions", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"http://127.0.0.1:{env['PORT']}/v1/{route}", data=json.dumps(body).encode(),
                                  headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
+
+
+def post(env: dict, body: dict, key: str | None = KEY) -> tuple[int, dict]:
+    """A chat completion: (HTTP status, the JSON body of a 200, else {})."""
+    code, text = request(env, "chat/completions", body, key)
+    return code, json.loads(text) if code == 200 else {}
+
+
+def completion(env: dict, body: dict, key: str | None = KEY) -> tuple[int, str]:
+    """A completion: (HTTP status, the body's text)."""
+    return request(env, "completions", body, key)
 
 
 OUT_OF_VOCAB = {"model": "demo", "prompt": [1, 2, 999999], "max_tokens": 4}
