@@ -15,7 +15,7 @@ from rig.config import Serve, Settings
 from rig.console import error, say
 from rig.errors import WorkFailed
 from rig.health import health
-from rig.leftovers import alive
+from rig.proc import alive
 from rig.supervise import (
     ago,
     engine_key,

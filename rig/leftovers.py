@@ -17,20 +17,11 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from rig import worktree
 from rig.config import Settings
+from rig.proc import alive
 
 VERIFY_DEST = "verify-dest"  # nox -s verify's scratch destination, under RIG_STATE
-
-
-def alive(pid: int) -> bool:
-    """Whether a process of that pid runs (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _pid_of(name: str) -> int | None:
@@ -59,11 +50,10 @@ def _remove(p: Path, why: str, say: Callable[[str], None]) -> None:
 def found(s: Settings) -> list[tuple[Path, str]]:
     """Every leftover of a killed run, with what left it; a live run's (its pid in the name) is not one."""
     out: list[tuple[Path, str]] = []
-    for vllm_dir in {s.vllm_dir}:
-        for p in vllm_dir.parent.glob(f".{vllm_dir.name}.scratch-*"):
-            pid = _pid_of(p.name)
-            if pid is None or not alive(pid):
-                out.append((p, "a tree step that was killed"))
+    for p in s.vllm_dir.parent.glob(worktree.scratch_path(s.vllm_dir, "*").name):
+        pid = _pid_of(p.name)
+        if pid is None or not alive(pid):
+            out.append((p, "a tree step that was killed"))
     out += [(p, "a venv step that was killed") for p in s.venv_dir.parent.glob(f"{s.venv_dir.name}.old-*")]
     if s.artifacts_dir.is_dir():
         for p in s.artifacts_dir.glob(".*.tmp"):

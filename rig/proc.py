@@ -2,11 +2,13 @@
 
 A 20-minute compile or a several-GB download must never look hung: every
 ``interval`` seconds a status line says how long it has run and what it did
-last (the caller decides what that is).
+last (the caller decides what that is). Also :func:`alive`, the one liveness check of a pid (standard
+library only: verify in the bare image uses it).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -53,3 +55,14 @@ def watch(cmd: list[str], *, status: Status, interval: float, env: Mapping[str, 
         done.set()
         t.join()
     return code, list(tail)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process of that pid runs (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -47,7 +47,7 @@ from rig import atomic
 from rig.artifacts import MANIFEST, SUMS, TARBALLS, Refused, _clean, check_target, read_manifest, read_sums
 from rig.errors import WorkFailed
 from rig.hashing import sha256_file
-from rig.leftovers import alive
+from rig.proc import alive
 
 #: The most a kernel tarball may expand, when no expected sizes are known: shared objects and sources
 #: compress 3 to 6 times; a member that goes past this is a decompression bomb, not kernels.

@@ -103,8 +103,10 @@ class Built:
     worktree_of: Git | None  # the vllm/ repository when scratch is a worktree of it
 
 
-def scratch_path(vllm_dir: Path) -> Path:
-    return vllm_dir.parent / f".{vllm_dir.name}.scratch-{os.getpid()}"
+def scratch_path(vllm_dir: Path, pid: int | str | None = None) -> Path:
+    """Where a run builds its tree beside ``vllm_dir``, named by its pid (``"*"``: the pattern of every run's),
+    so rig/leftovers.py can tell a killed run's scratch from a live one's."""
+    return vllm_dir.parent / f".{vllm_dir.name}.scratch-{os.getpid() if pid is None else pid}"
 
 
 def build(s: Settings, sr: series.Series, files: list[Path], repo: Git, rec: TreeRecord | None,
