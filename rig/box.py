@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rig.config import Settings
+from rig.config import Serve, Settings
 from rig.profiles import Box, Profile
 
 P2P_STATUS = {0: "ok", 1: "chipset not supported", 2: "GPU not supported", 3: "IOH topology not supported",
@@ -257,6 +257,25 @@ def model_checks(s: Settings, p: Profile) -> list[Check]:
     return out
 
 
+def abliteration_file(v: Serve) -> Path | None:
+    """The direction set QWEN38_ABLITERATION names (patch 0005 reads the same path), or None when it is off."""
+    if not v.abliteration:
+        return None
+    name = v.abliteration if v.abliteration.endswith(".safetensors") else f"{v.abliteration}.safetensors"
+    return v.abliteration_dir / name
+
+
+def series_checks(v: Serve) -> list[Check]:
+    """The files the series' switches name, there before the engine loads (it checks their contents)."""
+    file = abliteration_file(v)
+    if file is None:
+        return []
+    ok = file.is_file()
+    return [Check("abliteration", "pass" if ok else "fail", f"the direction set QWEN38_ABLITERATION={v.abliteration}"
+                  f" at {file}", "present" if ok else "no such file", "put the direction set there (ABLITERATION_DIR "
+                  "is the folder), or set QWEN38_ABLITERATION= (empty) to serve without abliteration")]
+
+
 def scales_path(s: Settings, p: Profile) -> Path | None:
     """The FP8 KV scales sidecar the engine gets: SCALES, else the checkpoint's (new name, then older ones)."""
     if s.scales:
@@ -265,16 +284,17 @@ def scales_path(s: Settings, p: Profile) -> Path | None:
 
 
 def start_checks(s: Settings, p: Profile, reader: Callable[[], Reading] | None = None,
-                 gpu_wait: int = 0) -> tuple[Reading | None, list[Check]]:
+                 gpu_wait: int = 0, v: Serve | None = None) -> tuple[Reading | None, list[Check]]:
     """What start needs of the box: the NVML reading (None without a driver, or for the CPU build) and every
-    check of the profile's box (``gpu_wait``: see :func:`gpu_checks`)."""
+    check of the profile's box (``gpu_wait``: see :func:`gpu_checks`) and of the series' files (``v``)."""
+    series = series_checks(v) if v is not None else []
     if s.device == "cpu":
-        return None, host_checks(s, p)
+        return None, host_checks(s, p) + series
     try:
         reading, why = (reader or read_nvml)(), ""
     except NoDriver as exc:
         reading, why = None, str(exc)
-    return reading, gpu_checks(reading, s, p.box, why, gpu_wait) + host_checks(s, p)
+    return reading, gpu_checks(reading, s, p.box, why, gpu_wait) + host_checks(s, p) + series
 
 
 def report(reading: Reading | None) -> list[str]:
@@ -294,7 +314,7 @@ def report(reading: Reading | None) -> list[str]:
     return lines
 
 
-def doctor(s: Settings, p: Profile) -> list[str]:
+def doctor(s: Settings, p: Profile, v: Serve | None = None) -> list[str]:
     """Every check and fact as lines; a box with no driver says so in one line and reports the rest."""
     out = [f"profile {p.name} ({p.path}): {p.description}; the {s.device} build"]
     reading = None
@@ -305,6 +325,7 @@ def doctor(s: Settings, p: Profile) -> list[str]:
         except NoDriver as exc:
             out.append(f"no NVIDIA driver here: NVML could not be loaded ({exc}); the GPU checks are skipped")
     checks = (gpu_checks(reading, s, p.box) if reading is not None else []) + host_checks(s, p)
+    checks += series_checks(v) if v is not None else []
     out += [c.line() for c in checks]
     fails = sum(c.status == "fail" for c in checks)
     out.append(f"{len(checks)} checks: {fails} failed, {sum(c.status == 'warn' for c in checks)} warned")

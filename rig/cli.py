@@ -134,7 +134,7 @@ def doctor(argv: Sequence[str]) -> int:
         from rig import box, profiles
 
         s = config.settings()
-        print("\n".join(box.doctor(s, profiles.load(s.profile))))
+        print("\n".join(box.doctor(s, profiles.load(s.profile), config.serve_settings())))
         return 0
 
     return guard(go)

@@ -58,6 +58,7 @@ class Var:
 
 
 from rig.varparse import (  # noqa: E402 - the parsers need Var, defined above
+    abliteration,
     cards,
     checkpoint,
     choice,
@@ -138,8 +139,8 @@ VARS: tuple[Var, ...] = (
     Var("CKPT", "the profile's `checkpoint`", "The checkpoint folder on the host (with its `config.json`).",
         checkpoint, "ckpt", derived=True, service=True),
     Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint (patch 0004: one "
-        "`k_scale` and `v_scale` per layer, checked against the model at load).", path, "scales", derived=True,
-        service=True),
+        "`k_scale` and `v_scale` per layer, checked against the model at load; the values take effect in a GPU's "
+        "FP8 KV cache).", path, "scales", derived=True, service=True),
     Var("HOST", "127.0.0.1", "The address the API listens on; `0.0.0.0` serves every interface.", host, "host",
         service=True),
     Var("PORT", "8000", "The port the API listens on.", port, "port", service=True),
@@ -161,17 +162,17 @@ VARS: tuple[Var, ...] = (
         seconds, "stats_interval", "serve", service=True),
     Var("PLE_HOME", "0", "The card that hosts the PLE offload: passed to the engine, but no patch of this series "
         "reads it yet.", index, "ple_home", "serve", service=True),
-    Var("QWEN38_ABLITERATION", "Qwen3.8-Flash-Next-Uncensored",
-        "Refusal-direction removal at run time: passed to the engine, but no patch of this series reads it yet; "
-        "empty turns it off.", keep_empty,
-        "abliteration", "serve", service=True),
-    Var("ABLITERATION_DIR", "abliteration", "The folder with the refusal-direction files.", path, "abliteration_dir",
+    Var("QWEN38_ABLITERATION", "the profile's `abliteration` (none names one: off)",
+        "Refusal-direction removal (patch 0005): the direction set `$ABLITERATION_DIR/<name>.safetensors` (one "
+        "vector, or one per layer) is removed from the residual stream by orthogonalising the weights at load; "
+        "empty turns it off.", abliteration, "abliteration", "serve", derived=True, service=True),
+    Var("ABLITERATION_DIR", "abliteration", "The folder with the direction sets.", path, "abliteration_dir",
         "serve", service=True),
     Var("GUARD", "warn", "The series' bounds guard (patch 0003) on prompt token ids, positions and sampling "
         "values: `off` checks nothing; `warn` counts, logs the first of each kind and lets the request go on; "
         "`raise` answers 400 naming the check.", choice(*GUARDS), "guard", "serve", service=True),
-    Var("COUNTERS", "0", "`1` adds the guard's counts to the engine's stats line (`./vllm-logs.sh` shows "
-        "`guard T/P/S`).", flag, "counters", "serve", service=True),
+    Var("COUNTERS", "0", "`1` adds the guard's counts and the abliteration status to the engine's stats line "
+        "(`./vllm-logs.sh` shows `guard T/P/S  abl NAME`).", flag, "counters", "serve", service=True),
     Var("START_TIMEOUT", "1800", "Seconds `./start.sh` waits for the first healthy answer (a first start "
         "compiles CUDA graphs).", whole, "start_timeout", "serve", service=True),
     Var("HANG_WINDOW", "300", "Seconds with requests pending and no token generated before the engine counts as "

@@ -41,6 +41,7 @@ STATS_FIELDS = {  # key in the line -> our name; the value's first word is the n
     # the series' counters (COUNTERS=1, patches/0003-bounds-guard.patch)
     "Guard token_ids": "guard_token_ids", "Guard positions": "guard_positions", "Guard sampling": "guard_sampling",
 }
+TEXT_FIELDS = {"Abliteration": "abliteration"}  # COUNTERS=1, patch 0005: a name, or off
 GUARD_KINDS = ("token_ids", "positions", "sampling")
 STATS_RE = re.compile(
     r"Avg prompt throughput: (?P<prompt>\S+) tokens/s, Avg generation throughput: (?P<gen>\S+) tokens/s, "
@@ -81,6 +82,8 @@ def parse_stats(msg: str) -> dict | None:
             key, sep, value = part.partition(": ")
             if sep and (name := STATS_FIELDS.get(key)):
                 out[name] = float(value.split(" ", 1)[0].rstrip("%"))
+            elif sep and (name := TEXT_FIELDS.get(key)):
+                out[name] = value
     except ValueError:
         return None
     if msg.startswith("Engine "):
@@ -141,6 +144,8 @@ def render(stats: Event, spec: Event | None, c: Palette) -> str:
     if any(f"guard_{k}" in d for k in GUARD_KINDS):
         counts = [int(d.get(f"guard_{k}", 0)) for k in GUARD_KINDS]
         parts.append(c("33" if any(counts) else "0", "guard " + "/".join(map(str, counts))))
+    if "abliteration" in d:
+        parts.append(f"abl {d['abliteration']}")
     if spec:
         al, ar = spec.data["accept_len"], spec.data["accept_rate"]
         parts.append(f"MTP len {'nan' if al != al else f'{al:.2f}'} accept {_pct(ar)}")

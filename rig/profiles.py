@@ -32,6 +32,7 @@ TOP: dict[str, tuple[type | tuple[type, ...], bool, str]] = {
     "max_model_len": (int, True, "the context length in tokens"),
     "kv_cache_dtype": (str, False, "auto or fp8"),
     "scales": (list, False, "KV scales sidecar names in the checkpoint, current first"),
+    "abliteration": (str, False, "the default QWEN38_ABLITERATION: a direction set's name, empty for none"),
     "block_size": (str, False, "max_batched_tokens, or empty for vLLM's default"),
     "cudagraph_tokens_per_seq": (int, False, "CUDA graphs up to MAX_SEQS x this many tokens (0: vLLM's default)"),
     "memory_utilization": ((int, float), False, "--gpu-memory-utilization (0: vLLM's default)"),
@@ -47,6 +48,8 @@ BOX: dict[str, tuple[type | tuple[type, ...], str]] = {
     "cores": (int, "CPU cores"), "cpu_flags": (list, "CPU flags, e.g. [\"avx2\"]"),
 }
 DEVICES = ("cuda", "cpu")
+#: an abliteration direction set's name: a file in ABLITERATION_DIR, never a path out of it
+SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Profile:
     max_model_len: int
     kv_cache_dtype: str = "auto"
     scales: tuple[str, ...] = ()
+    abliteration: str = ""
     block_size: str = ""
     cudagraph_tokens_per_seq: int = 0
     memory_utilization: float = 0.0
@@ -130,6 +134,9 @@ def load(name: str, folder: Path = MODELS_DIR) -> Profile:
             raise _bad(path, key, "a list of strings", data[key], f"write {key} as [\"...\", ...]")
     if not all(isinstance(v, str) for v in data.get("env", {}).values()):
         raise _bad(path, "env", "a table of strings", data["env"], "quote every value of [env]")
+    if data.get("abliteration") and not SET_NAME.match(data["abliteration"]):
+        raise _bad(path, "abliteration", "a direction set's name in ABLITERATION_DIR (letters, digits, . _ + -)",
+                   data["abliteration"], "write the file's name without its folder, or remove the key")
     box = data["box"]
     for key, value in box.items():
         if key not in BOX:
@@ -142,8 +149,8 @@ def load(name: str, folder: Path = MODELS_DIR) -> Profile:
         name=name, path=path, description=data["description"], device=data["device"],
         checkpoint=data["checkpoint"], served_name=data["served_name"], service_name=data["service_name"],
         max_model_len=data["max_model_len"], kv_cache_dtype=data.get("kv_cache_dtype", "auto"),
-        scales=tuple(data.get("scales", ())), block_size=data.get("block_size", ""),
-        cudagraph_tokens_per_seq=data.get("cudagraph_tokens_per_seq", 0),
+        scales=tuple(data.get("scales", ())), abliteration=data.get("abliteration", ""),
+        block_size=data.get("block_size", ""), cudagraph_tokens_per_seq=data.get("cudagraph_tokens_per_seq", 0),
         memory_utilization=float(data.get("memory_utilization", 0)), extra_args=tuple(data.get("extra_args", ())),
         speculative=data.get("speculative", {}), health=data.get("health", {}), env=data.get("env", {}),
         box=Box(gpus=box.get("gpus", 0), gpu_memory_gb=float(box.get("gpu_memory_gb", 0)), cuda=cuda,

@@ -111,7 +111,7 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         _demo_model(s, env, dry_run)
     refusals: list[BadInput] = []
     if box_check:
-        reading, checks = box.start_checks(s, p, gpu_wait=v.gpu_wait)  # a busy card: the gate below waits
+        reading, checks = box.start_checks(s, p, gpu_wait=v.gpu_wait, v=v)  # a busy card: the gate below waits
         failed = [c for c in checks if c.status == "fail"]
         for c in checks:
             if dry_run or c.status != "pass":

@@ -163,6 +163,18 @@ def _profile(env: Mapping[str, str]):  # noqa: ANN202 - rig.profiles.Profile, im
     return profiles.load(env.get("PROFILE", "").strip() or profiles.DEFAULT)
 
 
+def abliteration(v: Var, env: Mapping[str, str], root: Path) -> str:
+    """QWEN38_ABLITERATION: set, even to nothing, the value (empty: off); unset, the profile's ``abliteration``."""
+    from rig.profiles import SET_NAME
+
+    raw = env[v.name].strip() if v.name in env else _profile(env).abliteration
+    if raw and not SET_NAME.match(raw):
+        raise BadInput(problem(v.name, "the name of a direction set in ABLITERATION_DIR (letters, digits, . _ + -)",
+                               repr(raw), f"put the file in ABLITERATION_DIR and set {v.name} to its name, or "
+                               f"set {v.name}= to turn abliteration off"))
+    return raw
+
+
 def names(v: Var, env: Mapping[str, str], root: Path) -> tuple[str, ...]:
     """MODEL_NAME, else the profile's served name (start.sh's; compose and systemd set their own)."""
     raw = env.get(v.name, "")

@@ -114,3 +114,21 @@ def test_doctor_here_reports_the_missing_driver_in_one_line_and_the_rest():
         assert "NVML" in lines[0]
     assert any(ln.startswith(("pass  RAM", "fail  RAM")) for ln in lines)
     assert lines[-1].endswith("warned")
+
+
+def test_an_abliteration_set_must_be_there_before_the_engine_loads(tmp_path):
+    """Patch 0005 checks the set's contents at load; the box check only that the file QWEN38_ABLITERATION names is
+    there, so a typo fails in a second with the path and the way to turn it off, not after the engine's start."""
+    def checks(**env: str) -> dict:
+        return by_name(box.series_checks(config.serve_settings({"ABLITERATION_DIR": str(tmp_path), **env})))
+
+    assert checks() == {} and checks(QWEN38_ABLITERATION="") == {}  # neither profile names a set: off
+    c = checks(QWEN38_ABLITERATION="my-set")["abliteration"]
+    assert c.status == "fail" and c.found == "no such file" and str(tmp_path / "my-set.safetensors") in c.expected
+    assert "QWEN38_ABLITERATION= (empty)" in c.fix
+    (tmp_path / "my-set.safetensors").write_bytes(b"x")
+    assert checks(QWEN38_ABLITERATION="my-set")["abliteration"].status == "pass"
+    assert checks(QWEN38_ABLITERATION="my-set.safetensors")["abliteration"].status == "pass"
+    _, start = box.start_checks(settings(DEVICE="cpu"), profiles.load("demo"),
+                                v=config.serve_settings({"QWEN38_ABLITERATION": "absent"}))
+    assert by_name(start)["abliteration"].status == "fail"

