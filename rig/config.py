@@ -67,6 +67,7 @@ from rig.varparse import (  # noqa: E402 - the parsers need Var, defined above
     index,
     keep_empty,
     names,
+    optional_host,
     path,
     per_device,
     port,
@@ -185,6 +186,24 @@ VARS: tuple[Var, ...] = (
         "engine's memory released): the engine sizes its KV cache from the free memory. `0`: no wait (a shared "
         "box: `GPU_WAIT=0 ./start.sh --skip-box-check`).",
         whole_or_off, "gpu_wait", "serve", service=True),
+    Var("NODES", "1", "Nodes one model is served across, with vLLM's own multi-node engine (TP inside a node, PP "
+        "across nodes); 1 is one box. Every node runs `./start.sh` with the same settings and its own `NODE_RANK`: "
+        "[docs/nodes.md](docs/nodes.md).", whole, "nodes", "serve", service=True),
+    Var("NODE_RANK", "0", "This node's rank: 0 is the head (the API; it waits for every worker and checks their "
+        "builds), 1 to `NODES`-1 are workers (headless).", index, "node_rank", "serve", service=True),
+    Var("HEAD_ADDR", "none (required with `NODES` > 1)", "The head's address on the network between the nodes "
+        "(keep it private: that traffic is unencrypted).", optional_host, "head_addr", "serve", derived=True,
+        service=True),
+    Var("HEAD_PORT", "29501", "vLLM's master port on the head (`--master-port`); with `DIST_BACKEND=ray`, the Ray "
+        "head's port.", port, "head_port", "serve", service=True),
+    Var("NODES_PORT", "29599", "The port of the rig's node registry on the head: workers report their build there, "
+        "and learn when to start and to stop.", port, "nodes_port", "serve", service=True),
+    Var("DIST_BACKEND", "mp", "`mp`: vLLM's multiprocessing executor across nodes; `ray`: a Ray cluster the rig "
+        "starts on every node, and `--distributed-executor-backend ray`.", choice("mp", "ray"), "dist_backend",
+        "serve", service=True),
+    Var("NET_IFACE", "auto", "The interface this node talks to the others on; the rig sets `VLLM_HOST_IP`, "
+        "`NCCL_SOCKET_IFNAME` and `GLOO_SOCKET_IFNAME` from it. `auto`: the one whose address routes to "
+        "`HEAD_ADDR`.", text, "net_iface", "serve", service=True),
     Var("BASE_URL", "`http://127.0.0.1:$PORT/v1`", "The server `benchmarks/bench.sh` measures.", url, "base_url",
         "bench", derived=True),
     Var("MODEL", "the first `MODEL_NAME`", "The model name `benchmarks/bench.sh` asks for.", text, "model", "bench",
@@ -279,6 +298,13 @@ class Serve:
     hang_window: int  # 0: no hang watchdog
     stop_timeout: int
     gpu_wait: int  # 0: no free-GPU gate
+    nodes: int
+    node_rank: int
+    head_addr: str  # "" unless NODES > 1
+    head_port: int
+    nodes_port: int
+    dist_backend: str
+    net_iface: str
 
 
 def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Serve:
@@ -288,6 +314,13 @@ def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = Non
         raise BadInput(problem("MAX_BATCHED_TOKENS", f">= MAX_SEQS ({v.max_seqs}): a prefill step must fit every "
                                "running request", str(v.max_batched_tokens), f"raise MAX_BATCHED_TOKENS to at least "
                                f"{v.max_seqs} (2048 is the default), or lower MAX_SEQS"))
+    if v.node_rank >= v.nodes:
+        raise BadInput(problem("NODE_RANK", f"0 to NODES-1 = {v.nodes - 1} (0 is the head)", str(v.node_rank),
+                               f"set NODE_RANK below NODES={v.nodes}, one rank per node"))
+    if v.nodes > 1 and not v.head_addr:
+        raise BadInput(problem("HEAD_ADDR", f"the head's address, with NODES={v.nodes}", "unset",
+                               "set HEAD_ADDR on every node to the head's address on the private network "
+                               "between them (the head too)"))
     return v
 
 

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from rig import logs, watchdog
+from rig import logs, nodes, watchdog
 from rig.config import Serve, Settings
 from rig.console import error, say
 from rig.errors import WorkFailed
@@ -30,7 +30,20 @@ from rig.supervise import (
 
 
 def stop(s: Settings, v: Serve) -> int:
-    """``nox -s stop``: the whole engine group, gracefully first."""
+    """``nox -s stop``: the whole engine group, gracefully first; on a multi-node head, every worker's first."""
+    role = nodes.load_role(s)
+    if role and role.role == "head":
+        say(f"stopping the workers through the node registry ({role.url})")
+        for line in nodes.stop_workers(role, v.stop_timeout + 10):
+            say(line)
+    try:
+        return _stop_engine(s, v)
+    finally:
+        if role:
+            nodes.end_helper(s)  # the head's registry, or this worker's agent
+
+
+def _stop_engine(s: Settings, v: Serve) -> int:
     rec = load(s)
     if rec is None:
         say(f"not running (no live engine in {pid_path(s)}); nothing to stop")
@@ -77,9 +90,20 @@ def status(s: Settings, v: Serve) -> int:
         say(f"the engine's server (pid {rec.pid}) is gone, but processes of its group are left: {leftovers(rec)}")
         error("they still hold their memory (and GPU memory on a GPU box); nox -s stop ends them, then ./start.sh")
         return 1
+    role = nodes.load_role(s)
+    if role and role.role == "worker":
+        answers = nodes.call(role.url, "/state")[0] == 200
+        say(f"pid {rec.pid}: worker {role.rank}, headless, up {ago(rec.started)}; the head's registry at {role.url}: "
+            + ("answers" if answers else "does NOT answer"))
+        say(f"engine: {'running' if server_alive(rec) else 'GONE'}; agent: "
+            f"{'beating' if alive(role.pid) else 'GONE'}")
+        return 0 if server_alive(rec) and alive(role.pid) else 1
+    node_ok, lines = nodes.node_lines(role) if role else (True, [])
     look = watchdog.Look(s.state_dir, engine_key(rec), rec.host, rec.port, v.hang_window, rec.supervisor).take()
-    checked = not (look.hung or rec.hang)
+    checked = not (look.hung or rec.hang) and node_ok
     ok, detail = False, "one more request would only join those that hang"
+    if not node_ok:
+        detail = "a worker node is down: a generation would hang (see the nodes below)"
     if checked:  # an answer later than the hang window is what the watchdog looks for: no need to wait longer
         ok, detail = health(rec.host, rec.port, rec.model, v.api_key, timeout=min(30, v.hang_window or 30),
                             extra=json.loads(rec.health))
@@ -90,12 +114,19 @@ def status(s: Settings, v: Serve) -> int:
     say(f"pid {rec.pid} ({mode}), up {ago(rec.started)}, {rec.host}:{rec.port}, model {rec.model}")
     say(f"health: {'ok' if ok else 'FAILING' if checked else 'not checked'} ({detail})")
     say(f"watchdog: {look.line()}" + (f"; the supervisor is ending it: {rec.hang}" if rec.hang else ""))
+    if role:
+        say(f"node 0 ({rec.host}): the head, API and rank 0")
+        for line in lines:
+            say(line)
     say(capacity or "KV cache line: not in the log yet")
     if rec.log:
         say(f"log: {rec.log}")
     if hung:
         error("the engine is hung (requests pending, no token for HANG_WINDOW): see its log; a foreground "
               "supervisor (systemd) restarts it, else nox -s stop, then ./start.sh")
+    elif not node_ok:
+        error("a worker node's engine is down, so the engine cannot generate: nox -s stop on the head stops "
+              "every node; then ./start.sh on each")
     elif not ok:
         error("the engine runs but does not generate: see its log; nox -s stop, then ./start.sh")
     return 0 if ok and not hung else 1

@@ -79,12 +79,27 @@ def clear_cache(root: Path) -> list[str]:
     return removed
 
 
-def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile) -> Engine:
-    """The ``vllm serve`` argv and the environment the rig adds for it, from the profile and the settings."""
+def node_args(v: Serve) -> list[str]:
+    """The switches of one node of a multi-node engine (none on one box): vLLM's multiprocessing executor gets
+    the node count, this node's rank and the head's master address, and a worker runs headless (no API);
+    with Ray, only the head runs ``vllm serve``, and Ray places the ranks."""
+    if v.nodes == 1:
+        return []
+    if v.dist_backend == "ray":
+        return ["--distributed-executor-backend", "ray"]
+    args = ["--nnodes", str(v.nodes), "--node-rank", str(v.node_rank), "--master-addr", v.head_addr,
+            "--master-port", str(v.head_port)]
+    return args + (["--headless"] if v.node_rank else [])
+
+
+def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
+            net: dict[str, str] | None = None) -> Engine:
+    """The ``vllm serve`` argv and the environment the rig adds for it, from the profile and the settings
+    (``net``: the variables that pin this node's interface, rig/netif.py)."""
     argv = [str(s.venv_dir / "bin" / "vllm"), "serve", str(s.ckpt),
             "--served-model-name", *v.names,
             "--host", s.host, "--port", str(s.port),
-            *engine_args(t),
+            *engine_args(t), *node_args(v),
             "--kv-cache-dtype", p.kv_cache_dtype,
             "--max-model-len", str(p.max_model_len),
             "--max-num-seqs", str(v.max_seqs),
@@ -118,6 +133,7 @@ def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile)
         env.update({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, t.order))})
     if scales is not None:
         env["SCALES"] = str(scales)
+    env.update(net or {})
     if v.api_key:
         env[SECRET] = v.api_key
     return Engine(argv, env)

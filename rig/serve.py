@@ -6,16 +6,86 @@ Each stage lives in its own module (``rig.box``, ``rig.topology``, ``rig.engine`
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
-from rig import box, config, demo, engine, gpugate, profiles, supervise, topology
+from rig import box, config, demo, engine, gpugate, netif, nodes, profiles, supervise, topology
 from rig.console import INDENT, say, warn
 from rig.errors import BadInput, problem
 from rig.health import connect_host
 from rig.steps import pipeline
 from rig.steps.order import steps
+
+
+def _layers(ckpt: Path) -> int:
+    """The checkpoint's decoder layers (``num_hidden_layers``, of the text model for a multimodal one)."""
+    try:
+        cfg = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise BadInput(problem(f"{ckpt}/config.json", "the checkpoint's config, for the layers each node holds",
+                               str(exc), "set CKPT to the checkpoint folder")) from None
+    layers = cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
+    if not isinstance(layers, int):
+        raise BadInput(problem(f"{ckpt}/config.json: num_hidden_layers", "a whole number", repr(layers),
+                               "use a checkpoint whose config.json names its layers"))
+    return layers
+
+
+def _topology(s: config.Settings, v: config.Serve, cards: list[int], p2p: dict) -> topology.Topology:
+    """This box's topology; with NODES > 1, every node is taken to hold cards like this one (the head checks
+    each node's card count when it joins)."""
+    if v.nodes == 1:
+        return topology.choose(cards, p2p)
+    try:
+        return topology.across([(cards, p2p)] * v.nodes, _layers(s.ckpt))
+    except ValueError as exc:
+        raise BadInput(f"NODES={v.nodes}: expected {exc}") from None
+
+
+def _interface(v: config.Serve) -> netif.Interface | None:
+    if v.nodes == 1:
+        return None
+    iface = netif.choose(v.net_iface, v.head_addr, v.head_port)
+    role = "the head" if v.node_rank == 0 else f"worker {v.node_rank}"
+    say(f"nodes: {role} of {v.nodes} ({v.dist_backend}), head {v.head_addr}:{v.head_port}; interface "
+        f"{iface.name} {iface.address} ({iface.how}): VLLM_HOST_IP, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME")
+    nodes.warn_if_public(iface.address, "the node-to-node address")
+    return iface
+
+
+def _start_node(s: config.Settings, v: config.Serve, launch: supervise.Launch, env: Mapping[str, str],
+                iface: netif.Interface | None, cards: int) -> int:
+    """One node of a multi-node engine: the head opens the registry, waits for every worker with its own build,
+    then starts; a worker joins, waits for the head's engine, then starts headless beside its agent."""
+    if v.dist_backend == "ray":
+        raise BadInput(problem("DIST_BACKEND=ray", "mp (this rig starts Ray clusters with nox -s ray; serving "
+                               "through Ray needs a GPU build)", "ray", "set DIST_BACKEND=mp"))
+    ident = nodes.identity(s, cards)
+    if v.node_rank:
+        nodes.join(v, ident, iface.address if iface else "")
+        nodes.wait_go(v)
+        launch.on_spawn = lambda: nodes.start_agent(s, v, dict(env))
+        launch.probe = lambda: nodes.head_ready(v)
+        return supervise.start(launch)
+    role = nodes.open_registry(s, v, ident, v.head_addr)
+    try:
+        nodes.wait_for_workers(v, role)
+        launch.on_spawn = lambda: nodes.tell(role, "go")
+        launch.on_ready = lambda: nodes.tell(role, "ready")
+        code = supervise.start(launch)
+    except BaseException:  # the workers that joined stop too: their agents see the stop, or lose the head
+        for line in nodes.stop_workers(role, v.stop_timeout):
+            say(line)
+        nodes.end_helper(s)
+        raise
+    if launch.foreground:  # the engine has ended (a stop, a signal, a crash): the workers' engines end with it
+        for line in nodes.stop_workers(role, v.stop_timeout):
+            say(line)
+        nodes.end_helper(s)
+    return code
 
 
 def _build_if_needed(s: config.Settings, dry_run: bool) -> None:
@@ -133,10 +203,11 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         say("box: check skipped (--skip-box-check)")
     cards, p2p = _cards(s, reading) if s.device == "cuda" else ([0], {})  # the CPU: one engine, no cards
     gate = _gate(s, v, reading)
-    topo = topology.choose(cards, p2p)
+    topo = _topology(s, v, cards, p2p)
     say(f"topology: TP{topo.tp} x PP{topo.pp}{' + EP' if topo.ep else ''} on cards "
         f"{','.join(map(str, topo.order))}: {topo.why}")
-    eng = engine.command(s, v, topo, box.scales_path(s, p), p)
+    iface = _interface(v)
+    eng = engine.command(s, v, topo, box.scales_path(s, p), p, iface.env() if iface else None)
     if engine.open_to_network(s.host) and v.api_key:
         warn(f"HOST={s.host}: VLLM_API_KEY guards only vLLM's /v1 routes; /metrics, /tokenize, /invocations and "
              f"others stay open to whoever reaches port {s.port} (vLLM issues 58144, 18892). Keep the port on a "
@@ -164,7 +235,10 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
         say(f"cache: emptied {v.cache_root} ({', '.join(removed) or 'nothing there yet'})")
     if gate:  # last, so that nothing between the wait and the engine's own memory reading takes long
         gpugate.wait_free(box.read_nvml, gate, v.gpu_wait)
-    code = supervise.start(supervise.Launch(s, v, eng, foreground=foreground or not s.log, health=p.health))
+    launch = supervise.Launch(s, v, eng, foreground=foreground or not s.log, health=p.health)
+    if v.nodes > 1:
+        return _start_node(s, v, launch, env, iface, len(cards))
+    code = supervise.start(launch)
     if code == 0 and not (foreground or not s.log):
         key = ' -H "Authorization: Bearer $VLLM_API_KEY"' if v.api_key else ""
         say(f"try it: curl -s http://{connect_host(s.host)}:{s.port}/v1/chat/completions{key} "

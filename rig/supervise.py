@@ -231,6 +231,11 @@ class Launch:
     engine: Engine
     foreground: bool
     health: dict = field(default_factory=dict)  # the profile's extra fields of the one-token request
+    # Multi-node (rig/nodes.py): run once the engine is spawned, and once it is healthy; a headless worker's
+    # health is what ``probe`` says (the head's API answered), not a request of its own.
+    on_spawn: Callable[[], None] | None = None
+    on_ready: Callable[[], None] | None = None
+    probe: Callable[[], tuple[bool, str]] | None = None
 
 
 def _lock(s: Settings) -> IO[str]:
@@ -282,10 +287,14 @@ def start(launch: Launch) -> int:
         save(s, rec)
     lines = _Lines(Path(s.log) if s.log else None, offset, proc.stdout)
     say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
+    if launch.on_spawn:
+        launch.on_spawn()
     sdnotify.notify(f"STATUS=starting the engine (pid {proc.pid})")
     stopping = _forward_signals(rec) if launch.foreground else threading.Event()
     try:
-        _wait_healthy(s, v, rec, proc, lines, quiet=not s.log, stopping=stopping)
+        _wait_healthy(s, v, rec, proc, lines, quiet=not s.log, stopping=stopping, probe=launch.probe)
+        if launch.on_ready and rec.ready:
+            launch.on_ready()
     except KeyboardInterrupt:
         if not launch.foreground:
             say(f"stopped waiting; the engine keeps starting (pid {proc.pid}): nox -s status, or nox -s stop")
@@ -393,7 +402,7 @@ def _create_time(pid: int) -> float:
 
 
 def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, lines: _Lines, quiet: bool,
-                  stopping: threading.Event) -> None:
+                  stopping: threading.Event, probe: Callable[[], tuple[bool, str]] | None = None) -> None:
     t0 = time.monotonic()
     deadline = t0 + v.start_timeout
     last_beat = t0
@@ -418,8 +427,16 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
             raise WorkFailed(f"the engine exited with code {code} after {time.monotonic() - t0:.0f} s, before it "
                              f"was healthy{' (its last lines are above)' if s.log else ''}{where}")
         now = time.monotonic()
-        listening = now >= next_try and port_open(s.host, s.port)
-        if now >= next_try and not listening:
+        if probe and now >= next_try:
+            ok, last_detail = probe()
+            next_try = now + RETRY
+            if ok:
+                rec.ready = time.time()
+                save(s, rec)
+                say(f"ready in {time.monotonic() - t0:.1f} s: {last_detail}")
+                return
+        listening = not probe and now >= next_try and port_open(s.host, s.port)
+        if now >= next_try and not listening and not probe:
             last_detail = "not listening yet"
         if listening:
             ok, detail = health(s.host, s.port, v.names[0], v.api_key, timeout=max(1.0, min(120.0, deadline - now)),

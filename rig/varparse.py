@@ -138,6 +138,11 @@ def host(v: Var, env: Mapping[str, str], root: Path) -> str:
     return raw
 
 
+def optional_host(v: Var, env: Mapping[str, str], root: Path) -> str:
+    """An address or hostname, or '' when unset (whoever needs it says so)."""
+    return host(v, env, root) if env.get(v.name, "").strip() else ""
+
+
 def cards(v: Var, env: Mapping[str, str], root: Path) -> str:
     """Card indices in PCI bus order, each once (empty: every card). The topology chooser works on indices."""
     raw = (env.get(v.name, v.literal or "") or "").strip()

@@ -24,10 +24,9 @@ LOGPROBS = 5  # the top 5 of each step too: equal outputs mean equal numbers, no
 
 def main() -> None:
     out, model, *args = sys.argv[1:]
+    from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from vllm import LLM, SamplingParams
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     ns = parser.parse_args(["--model", model, *args])

@@ -70,6 +70,34 @@ def test_the_engine_command_parses_under_the_real_vllm_serve_parser(fresh):
     assert got["api_key"] is None and (got["host"], got["port"]) == ("127.0.0.1", 8000)
 
 
+@pytest.mark.parametrize("backend,rank", [("mp", "0"), ("mp", "1"), ("ray", "0")])
+def test_a_nodes_command_parses_under_the_real_vllm_serve_parser(fresh, backend, rank):
+    """Beyond one box: the head's and a headless worker's command (vLLM's multi-node executor), and the Ray
+    head's, taken by v0.30.0's own serve parser and validation."""
+    import json
+
+    from rig import config, engine, profiles, topology
+
+    dest, _, env = fresh
+    s = config.settings({"VENV_DIR": str(dest / ".venv")}, root=dest)
+    v = config.serve_settings({"NODES": "2", "NODE_RANK": rank, "HEAD_ADDR": "10.0.0.1", "HEAD_PORT": "29601",
+                               "DIST_BACKEND": backend}, root=dest)
+    four = topology.choose([0, 1, 2, 3], {(a, b): "not supported" for a in range(4) for b in range(4) if a != b})
+    two = topology.across([([0, 1, 2, 3], {})] * 2, layers=48)
+    eng = engine.command(s, v, two, None, profiles.load("reference"))
+    r = subprocess.run([str(dest / ".venv/bin/python"), str(ROOT / "tests/vllm_parse.py"), *eng.argv[1:]],
+                       capture_output=True, text=True, env={**env, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"]) == (2, 4) and four.pp == 2
+    if backend == "ray":
+        assert got["distributed_executor_backend"] == "ray" and got["nnodes"] == 1
+    else:
+        assert (got["nnodes"], got["node_rank"], got["master_addr"], got["master_port"]) == (2, int(rank),
+                                                                                             "10.0.0.1", 29601)
+        assert got["headless"] is (rank == "1")
+
+
 def test_second_build_does_no_work(fresh):
     dest, _, env = fresh
     r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True)

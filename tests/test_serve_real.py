@@ -87,6 +87,12 @@ def os_pgid(pid: int) -> int:
         return -1
 
 
+def in_group(pgid: int) -> list[psutil.Process]:
+    """The live processes of one process group (one engine of several on this box)."""
+    return [p for p in psutil.process_iter(["pid", "cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os_pgid(p.pid) == pgid]
+
+
 def bare_env(home: Path, **extra: str) -> dict[str, str]:
     """A fresh machine's environment: Debian's own python3 (externally managed, PEP 668) first on PATH, no uv,
     a new HOME. Passed on: the CA bundle of this machine's network, and the warm download caches (uv's and the
@@ -390,6 +396,96 @@ def test_the_demo_model_is_the_same_files_when_made_again(served, tmp_path):
     assert demo.digest(again) == demo.digest(made)
     config = json.loads((made / "config.json").read_text())
     assert config["head_dim"] == 64 and config["architectures"] == ["Qwen3ForCausalLM"]
+
+
+# -- beyond one box: two nodes of the demo on this box, rank 0 on the loopback, rank 1 headless -------------------
+
+
+@pytest.fixture(scope="module")
+def two_nodes(served, tmp_path_factory):
+    """The rig's own head and worker starts (PP2 across the nodes, vLLM's multi-node executor), each with its own
+    state folder and core; the worker serves the build the head made (``--no-build``)."""
+    dest, env, r, took, _ = served
+    assert r.returncode == 0
+    d = tmp_path_factory.mktemp("nodes")
+    common = {**env, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()),
+              "NODES_PORT": str(free_port()), "VLLM_API_KEY": KEY}
+    head = {**common, "NODE_RANK": "0", "PORT": str(free_port()), "LOG": str(d / "head.log"),
+            "RIG_STATE": str(d / "head"), "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    worker = {**common, "NODE_RANK": "1", "PORT": str(free_port()), "LOG": str(d / "worker.log"),
+              "RIG_STATE": str(d / "worker"), "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    t0 = time.monotonic()
+    h = subprocess.Popen([str(dest / "start.sh"), "--demo", "--no-build"], cwd=dest, env=head,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    w = subprocess.Popen([str(dest / "start.sh"), "--demo", "--no-build"], cwd=dest, env=worker,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    h_out, _ = h.communicate(timeout=900)
+    both = time.monotonic() - t0
+    w_out, _ = w.communicate(timeout=300)
+    yield dest, head, worker, (h.returncode, h_out), (w.returncode, w_out), (both, took)
+    nox(dest, head, "-s", "stop")
+    nox(dest, worker, "-s", "stop")
+
+
+def test_two_nodes_serve_one_model_through_the_head(two_nodes):
+    dest, head, worker, (hc, h_out), (wc, w_out), (both, one) = two_nodes
+    assert hc == 0, h_out[-4000:]
+    assert wc == 0, w_out[-4000:]
+    assert "topology: TP1 x PP2 on cards 0: 2 nodes of 1 card(s)" in h_out
+    assert "nodes: all 1 worker(s) joined in" in h_out and "each with this node's build and checkpoint" in h_out
+    assert "nodes: joined the head in" in w_out and "ready in" in w_out
+    code, body = post(head, {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    assert code == 200 and body["usage"]["completion_tokens"] == 8, body
+    w_log = Path(worker["LOG"]).read_text(errors="replace")  # vLLM's own lines: rank 1 holds the second stage
+    assert "headless multiproc executor, with head node address 127.0.0.1:" in w_log and "(Worker_PP1 " in w_log
+    s = nox(dest, head, "-s", "status")
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "node 0 (127.0.0.1): the head, API and rank 0" in s.stdout
+    assert "node 1 (127.0.0.1): engine running, beat" in s.stdout
+    print(f"\ntwo-node demo to healthy: {both:.0f} s; one-node demo in the same run: {one:.0f} s "
+          f"({both / one:.2f}x)")
+
+
+def test_a_killed_worker_makes_the_head_unhealthy_naming_the_node_and_stop_leaves_nothing(two_nodes):
+    dest, head, worker, (hc, _), (wc, _), _ = two_nodes
+    assert hc == 0 and wc == 0
+    w_rec = tomllib_load(Path(worker["RIG_STATE"]) / "engine.toml")
+    h_rec = tomllib_load(Path(head["RIG_STATE"]) / "engine.toml")
+    role = tomllib_load(Path(head["RIG_STATE"]) / "nodes.toml")
+    agent = tomllib_load(Path(worker["RIG_STATE"]) / "nodes.toml")["pid"]
+    server = next(p for p in in_group(w_rec["pgid"]) if "--headless" in " ".join(p.info["cmdline"] or [])
+                  and "logpump" not in " ".join(p.info["cmdline"] or []))
+    server.kill()
+    t0 = time.monotonic()
+    state = {}
+    while time.monotonic() - t0 < 30:
+        state = json.loads(urllib.request.urlopen(role["url"] + "/state", timeout=5).read())
+        if state["members"]["1"]["engine"] == "gone":
+            break
+        time.sleep(0.1)
+    seen = time.monotonic() - t0
+    assert state["members"]["1"]["engine"] == "gone", state
+    s = nox(dest, head, "-s", "status")
+    assert s.returncode == 1, s.stdout + s.stderr
+    assert "node 1 (127.0.0.1): engine GONE" in s.stdout, s.stdout
+    assert "a worker node's engine is down" in s.stderr
+    print(f"\nworker killed -> the head's registry reports it: {seen:.1f} s")
+    stop = nox(dest, head, "-s", "stop")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "node 1: stopped" in stop.stdout, stop.stdout
+    deadline = time.monotonic() + 20
+    left = []
+    while time.monotonic() < deadline:
+        left = in_group(h_rec["pgid"]) + in_group(w_rec["pgid"])
+        left += [p for p in (role["pid"], agent) if psutil.pid_exists(p) and psutil.Process(p).status() !=
+                 psutil.STATUS_ZOMBIE]
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, left
+    for st in (head, worker):
+        assert not (Path(st["RIG_STATE"]) / "engine.toml").exists() and not (Path(st["RIG_STATE"]) /
+                                                                              "nodes.toml").exists()
 
 
 def test_stop_leaves_no_process_of_the_engine(served):

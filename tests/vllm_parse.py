@@ -17,5 +17,6 @@ args = p.parse_args(sys.argv[1:])
 cmd.validate(args)
 keep = ("model_tag", "model", "served_model_name", "host", "port", "tensor_parallel_size", "pipeline_parallel_size",
         "enable_expert_parallel", "disable_custom_all_reduce", "kv_cache_dtype", "max_model_len", "max_num_seqs",
-        "max_num_batched_tokens", "block_size", "speculative_config", "compilation_config", "api_key")
+        "max_num_batched_tokens", "block_size", "speculative_config", "compilation_config", "api_key",
+        "nnodes", "node_rank", "master_addr", "master_port", "headless", "distributed_executor_backend")
 print(json.dumps({k: getattr(args, k, None) for k in keep}, default=str))

@@ -1,0 +1,179 @@
+"""Beyond one box, without an engine: the settings, the interface, the engine's switches, and the node registry
+(its real HTTP service, on the loopback) that checks every node's build and carries start and stop."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+import pytest
+from conftest import ROOT, run_rig
+
+from rig import config, engine, netif, nodes
+from rig.errors import BadInput
+
+HEAD = {"tree": "t" * 40, "ops_obj": "o" * 64, "device": "cpu", "cards": 1, "config": "c" * 64}
+
+
+def serve(**env: str) -> config.Serve:
+    return config.serve_settings({"HEAD_ADDR": "127.0.0.1", **env})
+
+
+# -- settings ------------------------------------------------------------------------------------------------------
+
+
+def test_one_node_is_the_default_and_changes_nothing():
+    v = config.serve_settings({})
+    assert (v.nodes, v.node_rank, v.head_addr, v.dist_backend, v.net_iface) == (1, 0, "", "mp", "auto")
+    assert engine.node_args(v) == []
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"NODES": "2", "NODE_RANK": "2", "HEAD_ADDR": "10.0.0.1"}, "NODE_RANK: expected 0 to NODES-1 = 1"),
+    ({"NODES": "2"}, "HEAD_ADDR: expected the head's address, with NODES=2, found unset"),
+    ({"NODES": "0"}, "NODES: expected a whole number >= 1"),
+    ({"NODES": "2", "HEAD_ADDR": "-x"}, "HEAD_ADDR: expected an IP address"),
+    ({"DIST_BACKEND": "slurm"}, "DIST_BACKEND: expected mp or ray, found 'slurm'"),
+])
+def test_bad_node_settings_name_the_variable_and_the_fix(env, want):
+    with pytest.raises(BadInput) as e:
+        config.serve_settings(env)
+    assert e.value.code == 2 and want in e.value.message and "Fix:" in e.value.message
+
+
+def test_the_head_and_a_worker_get_vllms_own_multi_node_switches():
+    head = serve(NODES="2", NODE_RANK="0", HEAD_PORT="29601")
+    assert engine.node_args(head) == ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                                      "--master-port", "29601"]
+    worker = serve(NODES="2", NODE_RANK="1", HEAD_PORT="29601")
+    assert engine.node_args(worker)[-1] == "--headless" and "--node-rank" in engine.node_args(worker)
+    assert engine.node_args(serve(NODES="2", DIST_BACKEND="ray")) == ["--distributed-executor-backend", "ray"]
+
+
+# -- the interface ---------------------------------------------------------------------------------------------------
+
+
+def test_auto_picks_the_interface_whose_address_routes_to_the_head_and_sets_the_three_variables():
+    i = netif.choose("auto", "127.0.0.1", 29501)
+    assert (i.name, i.address, i.how) == ("lo", "127.0.0.1", "the route to HEAD_ADDR")
+    assert i.env() == {"VLLM_HOST_IP": "127.0.0.1", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    assert netif.choose("lo", "10.9.9.9", 1).address == "127.0.0.1"
+
+
+def test_a_named_interface_that_is_not_there_lists_those_that_are():
+    with pytest.raises(BadInput) as e:
+        netif.choose("eth99", "127.0.0.1", 1)
+    assert "NET_IFACE=eth99" in e.value.message and "no such interface" in e.value.message and "lo (127.0.0.1" \
+        in e.value.message
+
+
+@pytest.mark.parametrize("addr,private", [("127.0.0.1", True), ("10.1.2.3", True), ("192.168.0.9", True),
+                                          ("172.16.0.1", True), ("169.254.1.1", True), ("8.8.8.8", False),
+                                          ("1.1.1.1", False)])
+def test_a_public_node_to_node_address_is_told_apart(addr, private):
+    assert netif.private(addr) is private
+
+
+def test_start_warns_when_the_node_to_node_address_is_public(capsys):
+    nodes.warn_if_public("8.8.8.8", "the node-to-node address")
+    assert "not a private address" in capsys.readouterr().err
+    nodes.warn_if_public("10.0.0.2", "the node-to-node address")
+    assert capsys.readouterr().err == ""
+
+
+# -- the registry ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry():
+    reg = nodes.Registry(3, HEAD, "secret")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), nodes._handler(reg))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    yield base, nodes.Role("head", os.getpid(), 0.0, base, 0, "secret")
+    server.shutdown()
+
+
+def test_a_worker_with_the_heads_build_joins_and_one_that_differs_is_named_with_the_value(registry):
+    base, role = registry
+    assert nodes.call(base, "/join", {"rank": 1, "identity": HEAD, "address": "10.0.0.2"})[0] == 200
+    code, body = nodes.call(base, "/join", {"rank": 2, "identity": {**HEAD, "ops_obj": "x" * 64},
+                                            "address": "10.0.0.3"})
+    assert code == 409 and body["error"] == f"node 2 (10.0.0.3) differs from the head: OPS_OBJ: head {'o' * 64}, " \
+                                            f"this node {'x' * 64}"
+    code, body = nodes.call(base, "/join", {"rank": 3, "identity": HEAD})
+    assert code == 400 and "NODE_RANK: expected 1 to 2 (NODES=3 at the head), found 3" in body["error"]
+    with pytest.raises(BadInput, match="node 2: expected the head's build and checkpoint, found OPS_OBJ"):
+        nodes.wait_for_workers(serve(NODES="3"), role)
+
+
+def test_every_difference_is_named():
+    node = {**HEAD, "tree": "u" * 40, "device": "cuda", "cards": 4, "config": "d" * 64}
+    assert [d.split(":")[0] for d in nodes.differences(HEAD, node)] == [
+        "tree id", "device", "cards", "the checkpoint's config.json sha256"]
+    assert nodes.differences(HEAD, dict(HEAD)) == []
+
+
+def test_start_stop_and_health_flow_through_the_registry(registry):
+    base, role = registry
+    for rank in (1, 2):
+        nodes.call(base, "/join", {"rank": rank, "identity": HEAD, "address": f"10.0.0.{rank + 1}"})
+    nodes.wait_for_workers(serve(NODES="3"), role)  # both joined: returns at once
+    assert nodes.call(base, "/control", {"token": "wrong", "action": "stop"})[0] == 403  # the head's rig only
+    nodes.tell(role, "go")
+    assert nodes.call(base, "/beat", {"rank": 1, "engine": "running"})[1]["go"] is True
+    nodes.call(base, "/beat", {"rank": 2, "engine": "gone", "detail": "its server (pid 9) is gone"})
+    ok, lines = nodes.node_lines(role)
+    assert not ok and lines[0].startswith("node 1 (10.0.0.2): engine running, beat")
+    assert lines[1].startswith("node 2 (10.0.0.3): engine GONE (its server (pid 9) is gone), reported")
+
+    def leave(rank: int) -> None:  # what an agent does when the head says stop
+        while not nodes.call(base, "/beat", {"rank": rank, "engine": "running"})[1].get("stop"):
+            time.sleep(0.05)
+        nodes.call(base, "/beat", {"rank": rank, "engine": "left"})
+
+    threads = [threading.Thread(target=leave, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    assert nodes.stop_workers(role, timeout=10) == ["node 1: stopped", "node 2: stopped"]
+
+
+def test_a_worker_that_stops_beating_is_reported_lost(registry, monkeypatch):
+    base, role = registry
+    nodes.call(base, "/join", {"rank": 1, "identity": HEAD, "address": "10.0.0.2"})
+    monkeypatch.setattr(nodes, "LOST", 0.2)
+    time.sleep(0.3)
+    ok, lines = nodes.node_lines(role)
+    assert not ok and "node 1 (10.0.0.2): LOST, no beat for" in lines[0] and lines[1] == "node 2: not joined"
+
+
+def test_a_worker_waits_for_the_head_then_gives_up_naming_it(monkeypatch):
+    v = serve(NODES="2", NODE_RANK="1", NODES_PORT="1", START_TIMEOUT="1")
+    with pytest.raises(Exception, match="did not answer within START_TIMEOUT=1 s"):
+        nodes.join(v, HEAD, "127.0.0.1")
+
+
+# -- the topology through start --------------------------------------------------------------------------------------
+
+
+def test_a_node_count_that_does_not_divide_the_demos_layers_exits_2_with_counts_that_would(tmp_path):
+    env = {**os.environ, "NODES": "4", "NODE_RANK": "0", "HEAD_ADDR": "127.0.0.1", "RIG_STATE": str(tmp_path),
+           "LOG": ""}
+    r = run_rig(env, "start", "--demo", "--dry-run", "--no-build", "--skip-box-check")
+    assert r.code == 2, r.out + r.err
+    assert "NODES=4: expected a node count that divides the model's 2 layers" in r.err
+    assert "NODES=1 or 2 would do" in r.err
+
+
+def test_the_dry_run_of_a_worker_shows_the_headless_command_and_the_interface(tmp_path):
+    env = {**os.environ, "NODES": "2", "NODE_RANK": "1", "HEAD_ADDR": "127.0.0.1", "RIG_STATE": str(tmp_path),
+           "LOG": ""}
+    r = run_rig(env, "start", "--demo", "--dry-run", "--no-build", "--skip-box-check")
+    assert r.code == 0, r.out + r.err
+    assert "topology: TP1 x PP2 on cards 0: 2 nodes of 1 card(s)" in r.out
+    assert "nodes: worker 1 of 2 (mp), head 127.0.0.1:29501; interface lo 127.0.0.1" in r.out
+    assert "--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29501 --headless" in r.out
+    assert "NCCL_SOCKET_IFNAME=lo" in r.out and "VLLM_HOST_IP=127.0.0.1" in r.out
+    assert (ROOT / "rig" / "nodes.py").is_file()
