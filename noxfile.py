@@ -94,6 +94,12 @@ def patches(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def ray(session: nox.Session) -> None:
+    """A Ray cluster across the nodes on its own: up (head or worker by NODE_RANK), status, down."""
+    _rig(session, "ray")
+
+
+@nox.session(**WORK)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
     _rig(session, "lock")

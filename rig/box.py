@@ -326,6 +326,10 @@ def doctor(s: Settings, p: Profile, v: Serve | None = None) -> list[str]:
             out.append(f"no NVIDIA driver here: NVML could not be loaded ({exc}); the GPU checks are skipped")
     checks = (gpu_checks(reading, s, p.box) if reading is not None else []) + host_checks(s, p)
     checks += series_checks(v) if v is not None else []
+    if v is not None and v.nodes > 1:
+        from rig import nodes
+
+        checks += nodes.doctor_checks(s, v)
     out += [c.line() for c in checks]
     fails = sum(c.status == "fail" for c in checks)
     out.append(f"{len(checks)} checks: {fails} failed, {sum(c.status == 'warn' for c in checks)} warned")

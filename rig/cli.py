@@ -216,8 +216,10 @@ def service(argv: Sequence[str]) -> int:
     p.add_argument("verb", choices=svc.VERBS)
     p.add_argument("--root", help="write under this prefix instead of / (default: DESTDIR, else /)")
     p.add_argument("-n", "--lines", type=int, default=200, help="logs: start from the last N lines")
+    p.add_argument("--node-rank", type=int, metavar="N", help="install: this node's rank in a multi-node engine "
+                   "(0 the head, 1.. the workers), written to the environment file with the unit")
     a = p.parse_args(argv)
-    return guard(lambda: svc.run(config.settings(), a.verb, a.root, a.lines))
+    return guard(lambda: svc.run(config.settings(), a.verb, a.root, a.lines, a.node_rank))
 
 
 def patches(argv: Sequence[str]) -> int:
@@ -256,17 +258,59 @@ def bench(argv: Sequence[str]) -> int:
     return guard(lambda: tool.main(list(argv)))
 
 
+def ray(argv: Sequence[str]) -> int:
+    """``nox -s ray``: the Ray cluster on its own (DIST_BACKEND=ray brings it up with the engine)."""
+    p = argparse.ArgumentParser(prog="nox -s ray --", description="A Ray cluster across the nodes, without an "
+                                "engine: `up` on the head (NODE_RANK=0) starts Ray's head, on a worker joins it "
+                                "(HEAD_ADDR, HEAD_PORT, NET_IFACE as for ./start.sh); `status` counts the active "
+                                "nodes (exit 1 when fewer than NODES); `down` stops Ray on this node.")
+    p.add_argument("action", choices=("up", "status", "down"))
+    a = p.parse_args(argv)
+
+    def go() -> int:
+        from rig import netif, raycluster
+        from rig.console import say
+        from rig.errors import BadInput, problem
+
+        s, v = config.settings(), config.serve_settings()
+        if a.action == "down":
+            say(f"ray: {raycluster.stop(s)}")
+            return 0
+        if not v.head_addr:
+            raise BadInput(problem("HEAD_ADDR", "the Ray head's address", "unset", "set HEAD_ADDR (the head's "
+                                   "own address on the head)"))
+        if a.action == "status":
+            n = raycluster.active_nodes(s, v)
+            say(f"ray: {n if n is not None else 'no answer: no'} active node(s) at {v.head_addr}:{v.head_port}, "
+                f"{v.nodes} expected (NODES)")
+            return 0 if n is not None and n >= v.nodes else 1
+        raycluster.ensure(s)
+        iface = netif.choose(v.net_iface, v.head_addr, v.head_port)
+        if v.node_rank == 0:
+            raycluster.start_head(s, v, iface.address)
+        else:
+            raycluster.join(s, v, iface.address)
+        return 0
+
+    return guard(go)
+
+
 def lock(argv: Sequence[str]) -> int:
     """``nox -s lock``: regenerate the hash-pinned runtime lock."""
     p = argparse.ArgumentParser(prog="nox -s lock --", description="Regenerate RUNTIME_LOCK with uv pip compile "
-                                "--generate-hashes from the official wheel's requirements (needs the network).")
-    p.parse_args(argv)
+                                "--generate-hashes from the official wheel's requirements (needs the network); "
+                                "scripts/ray.lock with it.")
+    p.add_argument("--ray", action="store_true", help="only scripts/ray.lock (Ray for DIST_BACKEND=ray)")
+    a = p.parse_args(argv)
 
     def go() -> int:
         from rig.steps import runtime
 
         ctx = pipeline.context(config.settings())
-        runtime.lock_main(ctx.settings, ctx.uv, ctx.series.version)
+        if a.ray:
+            runtime.lock_ray(ctx.settings, ctx.uv)
+        else:
+            runtime.lock_main(ctx.settings, ctx.uv, ctx.series.version)
         return 0
 
     return guard(go)
@@ -285,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"build": build, "tree": tree, "lock": lock, "pack": pack, "verify": verify,
                 "logs": logs, "doctor": doctor, "start": start, "stop": stop, "status": status,
-                "service": service, "patches": patches, "bench": bench}
+                "service": service, "patches": patches, "bench": bench, "ray": ray}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m rig.cli {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
         raise SystemExit(2)

@@ -39,6 +39,10 @@ def stop(s: Settings, v: Serve) -> int:
     try:
         return _stop_engine(s, v)
     finally:
+        if role and role.backend == "ray":
+            from rig import raycluster
+
+            say(f"ray: {raycluster.stop(s)}")
         if role:
             nodes.end_helper(s)  # the head's registry, or this worker's agent
 

@@ -42,13 +42,13 @@ BEAT = 1.0  # seconds between an agent's beats
 LOST = 10.0  # a worker with no beat for this long counts as lost; an agent without the head this long stops
 WAIT_LINE = 15.0  # seconds between "still waiting" lines
 LABELS = {"tree": "tree id", "ops_obj": "OPS_OBJ", "device": "device", "cards": "cards",
-          "config": "the checkpoint's config.json sha256"}
+          "config": "the checkpoint's config.json sha256", "ray": "Ray"}
 
 
 # -- what a node is: its build and checkpoint --------------------------------------------------------------------
 
 
-def identity(s: Settings, cards: int) -> dict:
+def identity(s: Settings, cards: int, ray: bool = False) -> dict:
     """This node's build and checkpoint, read from the tree and the files themselves (not from a record that
     could be stale), as the head compares them."""
     from rig import series
@@ -62,8 +62,13 @@ def identity(s: Settings, cards: int) -> dict:
         config = hashlib.sha256((s.ckpt / "config.json").read_bytes()).hexdigest()
     except OSError:
         config = "none"
-    return {"tree": tree.strip() if code == 0 else "none", "ops_obj": ops, "device": s.device, "cards": cards,
-            "config": config}
+    out = {"tree": tree.strip() if code == 0 else "none", "ops_obj": ops, "device": s.device, "cards": cards,
+           "config": config}
+    if ray:  # every node must run the same Ray
+        from rig import raycluster
+
+        out["ray"] = raycluster.version(s)
+    return out
 
 
 def differences(head: dict, node: dict) -> list[str]:
@@ -191,6 +196,7 @@ class Role:
     url: str
     rank: int
     token: str = ""
+    backend: str = "mp"  # ray: this node's Ray is stopped with it
 
 
 def role_path(s: Settings) -> Path:
@@ -254,7 +260,7 @@ def open_registry(s: Settings, v: Serve, ident: dict, bind: str) -> Role:
     end = time.monotonic() + 15
     while time.monotonic() < end:
         if call(base, "/state", timeout=1)[0] == 200:
-            role = Role("head", proc.pid, psutil.Process(proc.pid).create_time(), base, 0, token)
+            role = Role("head", proc.pid, psutil.Process(proc.pid).create_time(), base, 0, token, v.dist_backend)
             _save_role(s, role)
             say(f"nodes: registry on {bind}:{v.nodes_port} (pid {proc.pid}); waiting for {v.nodes - 1} worker(s)")
             return role
@@ -403,24 +409,37 @@ def start_agent(s: Settings, v: Serve, env: dict[str, str]) -> None:
 
     end_helper(s)
     proc = _spawn("agent", dict(env), s.state_dir / "agent.log")
-    _save_role(s, Role("worker", proc.pid, psutil.Process(proc.pid).create_time(), url(v), v.node_rank))
+    _save_role(s, Role("worker", proc.pid, psutil.Process(proc.pid).create_time(), url(v), v.node_rank, "",
+                       v.dist_backend))
+
+
+def _local(s: Settings, v: Serve) -> tuple[bool, str] | None:
+    """(this node's part runs, why not), or None when it has ended here (stopped on this node)."""
+    from rig.supervise import load, server_alive
+
+    if v.dist_backend == "ray":
+        from rig import raycluster
+
+        return (True, "") if raycluster.running(s) else (False, "its raylet is gone")
+    rec = load(s)
+    if rec is None:  # stopped here (nox -s stop on this node), or its whole group has ended
+        return None
+    return (True, "") if server_alive(rec) else (False, f"its vllm serve --headless (group {rec.pgid}) is gone")
 
 
 def _agent() -> None:
     from rig import config, control
-    from rig.supervise import load, server_alive
 
     s, v = config.settings(), config.serve_settings()
     base, lost_since = url(v), None
     print(f"{time.strftime('%F %T')} agent of worker {v.node_rank}: beating to {base}", flush=True)
     while True:
-        rec = load(s)
-        if rec is None:  # stopped here (nox -s stop on this node), or its whole group has ended
+        local = _local(s, v)
+        if local is None:
             call(base, "/beat", {"rank": v.node_rank, "engine": "left"})
             print(f"{time.strftime('%F %T')} the engine has ended here: left", flush=True)
             return
-        running = server_alive(rec)
-        detail = "" if running else f"its server (pid {rec.pid}) is gone"
+        running, detail = local
         code, flags = call(base, "/beat", {"rank": v.node_rank, "engine": "running" if running else "gone",
                                            "detail": detail}, timeout=BEAT * 2)
         now = time.monotonic()
@@ -431,12 +450,52 @@ def _agent() -> None:
             done = threading.Event()  # beats go on while the stop waits for SIGTERM: the head waits for "left"
             threading.Thread(target=_beat_until, args=(base, v.node_rank, done), daemon=True).start()
             try:
-                control.stop(s, v)
+                control.stop(s, v)  # with Ray, it runs ray stop too
             finally:
                 done.set()
                 call(base, "/beat", {"rank": v.node_rank, "engine": "left"})
             return
         time.sleep(BEAT)
+
+
+def doctor_checks(s: Settings, v: Serve) -> list:
+    """``nox -s doctor`` on a multi-node setting: what this node needs of the others (run it on each)."""
+    import socket
+
+    from rig import netif, raycluster
+    from rig.box import Check
+
+    role = "the head" if v.node_rank == 0 else f"worker {v.node_rank}"
+    out = [Check("nodes", "pass", f"NODES={v.nodes}, NODE_RANK 0 to {v.nodes - 1}",
+                 f"this node is {role} ({v.dist_backend})")]
+    try:
+        iface = netif.choose(v.net_iface, v.head_addr, v.head_port)
+        public = not netif.private(iface.address)
+        out.append(Check("interface", "warn" if public else "pass", "a private address on the way to the head",
+                         f"{iface.name} {iface.address} ({iface.how})", "keep the nodes on a private network: "
+                         "their traffic is unencrypted"))
+    except BadInput as exc:
+        out.append(Check("interface", "fail", f"an interface that reaches HEAD_ADDR={v.head_addr}", "none",
+                         exc.message))
+    if v.node_rank:
+        code, body = call(url(v), "/state", timeout=3)
+        out.append(Check("head", "pass" if code == 200 else "warn", f"the head's registry at {url(v)}",
+                         "answers" if code == 200 else f"no answer ({body.get('error')})",
+                         "start the head (a worker waits for it, so this is only a warning before it is up)"))
+    else:
+        with socket.socket() as sock:
+            try:
+                sock.bind((v.head_addr, v.head_port))
+                free, found = True, "free"
+            except OSError as exc:
+                free, found = False, f"in use or not this node's address ({exc.strerror})"
+        out.append(Check("master port", "pass" if free else "fail", f"{v.head_addr}:{v.head_port} free for vLLM's "
+                         "master (HEAD_PORT)", found, "stop what listens there, or set HEAD_PORT on every node"))
+    if v.dist_backend == "ray":
+        have, want = raycluster.version(s), raycluster.RAY.split("==", 1)[1]
+        out.append(Check("ray", "pass" if have == want else "warn", f"Ray {want} (scripts/ray.lock) on every node",
+                         have, "./start.sh installs it; every node must run the same version"))
+    return out
 
 
 def _beat_until(base: str, rank: int, done: threading.Event) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from rig import box, config, demo, engine, gpugate, netif, nodes, profiles, supervise, topology
+from rig import box, config, demo, engine, gpugate, netif, nodes, profiles, raycluster, supervise, topology
 from rig.console import INDENT, say, warn
 from rig.errors import BadInput, problem
 from rig.health import connect_host
@@ -60,30 +60,49 @@ def _start_node(s: config.Settings, v: config.Serve, launch: supervise.Launch, e
                 iface: netif.Interface | None, cards: int) -> int:
     """One node of a multi-node engine: the head opens the registry, waits for every worker with its own build,
     then starts; a worker joins, waits for the head's engine, then starts headless beside its agent."""
-    if v.dist_backend == "ray":
-        raise BadInput(problem("DIST_BACKEND=ray", "mp (this rig starts Ray clusters with nox -s ray; serving "
-                               "through Ray needs a GPU build)", "ray", "set DIST_BACKEND=mp"))
-    ident = nodes.identity(s, cards)
+    ray = v.dist_backend == "ray"
+    address = iface.address if iface else v.head_addr
+    if ray:
+        if s.device == "cpu":
+            raise BadInput(problem("DIST_BACKEND=ray", "mp with the CPU build: vLLM's CPU platform has no Ray executor "
+                                   "(its own check: 'current platform cpu does not support ray')", "ray",
+                                   "set DIST_BACKEND=mp; nox -s ray -- up brings a Ray cluster up on its own"))
+        raycluster.ensure(s)
+    ident = nodes.identity(s, cards, ray=ray)
     if v.node_rank:
-        nodes.join(v, ident, iface.address if iface else "")
+        nodes.join(v, ident, address)
         nodes.wait_go(v)
+        if ray:  # Ray places this node's ranks from the head's engine: no vllm serve here
+            raycluster.join(s, v, address)
+            nodes.start_agent(s, v, dict(env))
+            say("ray: this node serves through the head's engine; nox -s stop on the head stops it")
+            return 0
         launch.on_spawn = lambda: nodes.start_agent(s, v, dict(env))
         launch.probe = lambda: nodes.head_ready(v)
         return supervise.start(launch)
     role = nodes.open_registry(s, v, ident, v.head_addr)
     try:
         nodes.wait_for_workers(v, role)
-        launch.on_spawn = lambda: nodes.tell(role, "go")
+        if ray:  # the Ray head first, then the workers join it, then the engine places its ranks
+            raycluster.start_head(s, v, address)
+            nodes.tell(role, "go")
+            raycluster.wait_for_nodes(s, v)
+        else:
+            launch.on_spawn = lambda: nodes.tell(role, "go")
         launch.on_ready = lambda: nodes.tell(role, "ready")
         code = supervise.start(launch)
     except BaseException:  # the workers that joined stop too: their agents see the stop, or lose the head
         for line in nodes.stop_workers(role, v.stop_timeout):
             say(line)
+        if ray:
+            say(raycluster.stop(s))
         nodes.end_helper(s)
         raise
     if launch.foreground:  # the engine has ended (a stop, a signal, a crash): the workers' engines end with it
         for line in nodes.stop_workers(role, v.stop_timeout):
             say(line)
+        if ray:
+            say(raycluster.stop(s))
         nodes.end_helper(s)
     return code
 

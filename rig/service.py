@@ -57,12 +57,15 @@ def render_logrotate(repo: Path, log: str) -> str:
     return (repo / "systemd" / "vllm.logrotate").read_text().replace(TEMPLATE_LOG, log)
 
 
-def render_env(profile: str = "reference") -> str:
+def render_env(profile: str = "reference", node_rank: int | None = None) -> str:
     """The service's environment file: every service variable as a commented default, and the one value the
-    service sets differently from start.sh: the profile's service name."""
+    service sets differently from start.sh: the profile's service name (and this node's rank, for a node of a
+    multi-node engine: NODES and HEAD_ADDR are then to be set, the same on every node)."""
     from rig import profiles
 
     env_set = {"PROFILE": profile, "MODEL_NAME": profiles.load(profile).service_name}
+    if node_rank is not None:
+        env_set["NODE_RANK"] = str(node_rank)
     lines = ["# Settings of the vllm service (scripts/install-as-service.sh), read by systemd at each start.",
              "# Mode 0600: it can hold VLLM_API_KEY. Uncomment a line to change that default; then",
              "# scripts/install-as-service.sh stop && scripts/install-as-service.sh start.", ""]
@@ -112,7 +115,7 @@ def _systemctl(t: Target, *args: str, check: bool = True) -> int:
     return r.returncode
 
 
-def install(t: Target) -> int:
+def install(t: Target, node_rank: int | None = None) -> int:
     _need_root(t, "install")
     record = _load_record(t)
     files = record.get("files", {})
@@ -124,14 +127,18 @@ def install(t: Target) -> int:
     env = t.path(ENV_FILE)
     if env.exists():
         say(f"kept {env}: it exists, and holds your settings (never overwritten)")
+        if node_rank is not None and f"\nNODE_RANK={node_rank}\n" not in f"\n{env.read_text()}":
+            warn(f"set NODE_RANK={node_rank} (and NODES, HEAD_ADDR) in {env} yourself: it was kept as it is")
         mode = env.stat().st_mode & 0o777
         if mode & 0o077:  # it can hold VLLM_API_KEY: readable by its owner only
             env.chmod(0o600)
             warn(f"{env} was mode {mode:04o}, readable by other users, and can hold VLLM_API_KEY: made it 0600")
     else:
-        atomic.write_text(env, render_env(config.settings().profile), 0o600)
+        atomic.write_text(env, render_env(config.settings().profile, node_rank), 0o600)
         files[ENV_FILE] = sha256_file(env)
-        say(f"wrote {env} (mode 0600; edit it to set MODEL_NAME, CKPT, VLLM_API_KEY, ...)")
+        say(f"wrote {env} (mode 0600; edit it to set MODEL_NAME, CKPT, VLLM_API_KEY, ...)"
+            + (f"; this node is rank {node_rank}: set NODES and HEAD_ADDR there, as on every node"
+               if node_rank is not None else ""))
 
     rot = t.path(LOGROTATE)
     new = render_logrotate(t.repo, t.log)
@@ -180,12 +187,12 @@ def uninstall(t: Target) -> int:
 VERBS = ("install", "start", "stop", "status", "update", "logs", "uninstall")
 
 
-def run(s: config.Settings, verb: str, root: str | None, lines: int) -> int:
+def run(s: config.Settings, verb: str, root: str | None, lines: int, node_rank: int | None = None) -> int:
     """``scripts/install-as-service.sh VERB``; ``root``: a prefix instead of / (else DESTDIR, else /)."""
     prefix = Path(root or os.environ.get("DESTDIR", "").strip() or "/").resolve()
     t = Target(prefix, REPO_ROOT, s.log or TEMPLATE_LOG)
     if verb == "install":
-        return install(t)
+        return install(t, node_rank)
     if verb == "uninstall":
         return uninstall(t)
     if verb == "logs":

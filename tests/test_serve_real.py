@@ -488,6 +488,45 @@ def test_a_killed_worker_makes_the_head_unhealthy_naming_the_node_and_stop_leave
                                                                               "nodes.toml").exists()
 
 
+def ray_processes() -> list[str]:
+    return [f"{p.info['pid']} {p.info['name']}" for p in psutil.process_iter(["pid", "name"])
+            if p.info["name"] in ("raylet", "gcs_server")]
+
+
+def test_the_rig_brings_a_real_ray_cluster_of_two_nodes_up_and_takes_it_down(served, tmp_path):
+    """DIST_BACKEND=ray: Ray 2.60.0 from scripts/ray.lock into the venv, a head and a worker raylet on this box
+    (the worker with its own state folder), `ray status` listing both; the CPU build refuses to serve through Ray
+    (vLLM's CPU platform has no Ray executor), so the cluster comes up with `nox -s ray` on its own."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    common = {**env, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()), "DIST_BACKEND": "ray"}
+    try:
+        head = nox(dest, {**common, "NODE_RANK": "0"}, "-s", "ray", "--", "up")
+        assert head.returncode == 0, head.stdout + head.stderr
+        assert f"ray: head started on 127.0.0.1:{common['HEAD_PORT']} (Ray 2.60.0)" in head.stdout
+        worker = nox(dest, {**common, "NODE_RANK": "1", "RIG_STATE": str(tmp_path / "worker")}, "-s", "ray", "--",
+                     "up")
+        assert worker.returncode == 0, worker.stdout + worker.stderr
+        st = nox(dest, common, "-s", "ray", "--", "status")
+        assert st.returncode == 0 and "ray: 2 active node(s)" in st.stdout, st.stdout + st.stderr
+        real = subprocess.run([str(dest / ".venv-cpu" / "bin" / "ray"), "status", "--address",
+                               f"127.0.0.1:{common['HEAD_PORT']}"], capture_output=True, text=True, timeout=120)
+        active = real.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
+        assert active.count(" node_") == 2, real.stdout
+        refused = subprocess.run([str(dest / "start.sh"), "--demo", "--no-build"], cwd=dest,
+                                 env={**common, "NODE_RANK": "0", "PORT": str(free_port()),
+                                      "LOG": str(tmp_path / "ray.log")}, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and "DIST_BACKEND=ray: expected mp with the CPU build" in refused.stderr, \
+            refused.stdout + refused.stderr
+    finally:
+        down = nox(dest, common, "-s", "ray", "--", "down")
+    assert down.returncode == 0 and "Stopped all" in down.stdout, down.stdout + down.stderr
+    deadline = time.monotonic() + 20
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ray_processes()
+
+
 def test_stop_leaves_no_process_of_the_engine(served):
     dest, env, r, _, state = served
     assert r.returncode == 0

@@ -460,3 +460,17 @@ def test_a_failing_exec_start_pre_starts_nothing(unit_env_file):
     assert "MAX_JOBS: expected a whole number >= 1, found 'many'" in r.stderr and "[1/" not in r.stdout
     assert time.monotonic() - t0 < 60
     assert not Path(rig_env["DOUBLE_RECORD"]).exists()  # no ExecStart: no engine
+
+
+def test_a_worker_node_is_installed_with_its_rank_and_the_same_unit(tmp_path):
+    """Beyond one box: each node runs the one unit; install --node-rank writes the rank into the environment
+    file (the unit says why no ordering across machines is needed), and says what is left to set."""
+    r = run_rig(dict(os.environ), "service", "install", "--root", str(tmp_path), "--node-rank", "1")
+    assert r.code == 0, r.text
+    env = (tmp_path / service.ENV_FILE).read_text()
+    assert "\nNODE_RANK=1\n" in env and "\n#NODES=1\n" in env and "\n#HEAD_ADDR=\n" in env
+    assert "this node is rank 1: set NODES and HEAD_ADDR there" in r.out
+    unit = (tmp_path / service.UNIT).read_text()
+    assert "a worker waits for the head's" in unit and "ExecStart=" + str(ROOT) + "/start.sh" in unit
+    again = run_rig(dict(os.environ), "service", "install", "--root", str(tmp_path), "--node-rank", "2")
+    assert again.code == 0 and "set NODE_RANK=2 (and NODES, HEAD_ADDR) in" in again.err

@@ -198,16 +198,20 @@ def _install_error(tail: list[str], lock: Lock) -> BadInput | None:
     return None
 
 
-def make_lock(s: Settings, uv: str | None, out: Path, inputs: list[str], python: str = WANT_TEXT) -> int:
-    """``nox -s lock``: resolve ``inputs`` for CPython ``python`` on manylinux x86_64, hashed; return pin count."""
+def make_lock(s: Settings, uv: str | None, out: Path, inputs: list[str], python: str = WANT_TEXT,
+              constraint: Path | None = None, what: str = "The serving runtime") -> int:
+    """``nox -s lock``: resolve ``inputs`` for CPython ``python`` on manylinux x86_64, hashed (within the pins of
+    ``constraint``, when given); return pin count."""
     if not uv:
         raise BadInput(problem("uv", "on PATH (nox -s lock resolves with uv pip compile)", "not found or UV=0",
                                "install uv: python3 -m pip install --user uv"))
     src = out.with_suffix(".in")
-    atomic.write_text(src, "# The inputs of the runtime lock (nox -s lock).\n" + "\n".join(inputs) + "\n")
+    atomic.write_text(src, f"# The inputs of {out.name} (nox -s lock).\n" + "\n".join(inputs) + "\n")
     cmd = [uv, "pip", "compile", "--quiet", "--generate-hashes", "--no-header", "--no-annotate",
            "--python-version", python, "--python-platform", PLATFORM, "--no-emit-package", "vllm",
            "--index-url", s.index_url, str(src)]
+    if constraint is not None:
+        cmd += ["--constraint", str(constraint)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise WorkFailed(f"uv pip compile failed: {r.stderr.strip()[-800:]}")
@@ -215,12 +219,15 @@ def make_lock(s: Settings, uv: str | None, out: Path, inputs: list[str], python:
     pins = len(re.findall(r"^[A-Za-z0-9][A-Za-z0-9._-]*==", body, re.M))
     uv_version = subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip()
     header = (
-        f"# The serving runtime: every requirement pinned with == and hashed ({pins} pins).\n"
+        f"# {what}: every requirement pinned with == and hashed ({pins} pins).\n"
         f"# Made by `nox -s lock` on {dt.date.today().isoformat()} with {uv_version}:\n"
         f"#   uv pip compile --generate-hashes --python-version {python} --python-platform {PLATFORM} \\\n"
-        f"#     --no-emit-package vllm {src.name}\n"
-        f"# {src.name} holds the inputs: the official wheel's requirements (through vllm==...) and\n"
-        f"# vLLM's build requirements. Do not edit by hand: the install checks every hash.\n"
+        f"#     --no-emit-package vllm {src.name}"
+        + (f" --constraint {constraint.name}" if constraint is not None else "") + "\n"
+        + (f"# {src.name} holds the inputs: the official wheel's requirements (through vllm==...) and\n"
+           f"# vLLM's build requirements." if constraint is None else
+           f"# {src.name} holds the inputs; {constraint.name} keeps each package both need at one version.")
+        + " Do not edit by hand: the install checks every hash.\n"
         f"# python: {python}\n"
         f"# platform: {PLATFORM}\n"
     )
@@ -238,4 +245,16 @@ def lock_main(s: Settings, uv: str | None, version: str) -> int:
         raise WorkFailed(f"the lock has torch {torch and torch[0]} but no CUDA runtime: a CPU build of torch was "
                          "resolved. Fix: resolve against PyPI (INDEX_URL) where torch is the CUDA build")
     print(f"{s.runtime_lock}: {n} pins (torch {torch[0]} with {cuda[0]} {lock.pins[cuda[0]][0]})", file=sys.stderr)
+    lock_ray(s, uv)
+    return n
+
+
+def lock_ray(s: Settings, uv: str | None) -> int:
+    """``scripts/ray.lock``: Ray for DIST_BACKEND=ray, within the runtime lock's pins (one version of each)."""
+    from rig.raycluster import RAY, lock_path
+
+    out = lock_path(s)
+    n = make_lock(s, uv, out, [RAY], constraint=s.runtime_lock,
+                  what="Ray for DIST_BACKEND=ray (installed on the nodes that use it)")
+    print(f"{out}: {n} pins ({RAY})", file=sys.stderr)
     return n
