@@ -63,10 +63,6 @@ def _start_node(s: config.Settings, v: config.Serve, launch: supervise.Launch, e
     ray = v.dist_backend == "ray"
     address = iface.address if iface else v.head_addr
     if ray:
-        if s.device == "cpu":
-            raise BadInput(problem("DIST_BACKEND=ray", "mp with the CPU build: vLLM's CPU platform has no Ray executor "
-                                   "(its own check: 'current platform cpu does not support ray')", "ray",
-                                   "set DIST_BACKEND=mp; nox -s ray -- up brings a Ray cluster up on its own"))
         raycluster.ensure(s)
     ident = nodes.identity(s, cards, ray=ray)
     if v.node_rank:
@@ -180,6 +176,10 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
     s = config.settings(env)
     v = config.serve_settings(env)
     p = profiles.load(s.profile)
+    if v.nodes > 1 and v.dist_backend == "ray" and s.device == "cpu":
+        raise BadInput(problem("DIST_BACKEND=ray", "mp with the CPU build: vLLM's CPU platform has no Ray executor "
+                               "(its own check: 'current platform cpu does not support ray')", "ray",
+                               "set DIST_BACKEND=mp; nox -s ray -- up brings a Ray cluster up on its own"))
     say(f"profile: {p.name} ({p.path}); the {s.device} build")
     rec = None if dry_run else supervise.load(s)
     if rec and not supervise.server_alive(rec):

@@ -177,3 +177,11 @@ def test_the_dry_run_of_a_worker_shows_the_headless_command_and_the_interface(tm
     assert "--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29501 --headless" in r.out
     assert "NCCL_SOCKET_IFNAME=lo" in r.out and "VLLM_HOST_IP=127.0.0.1" in r.out
     assert (ROOT / "rig" / "nodes.py").is_file()
+
+
+def test_ray_with_the_cpu_build_is_refused_before_anything_starts(tmp_path):
+    env = {**os.environ, "NODES": "2", "NODE_RANK": "0", "HEAD_ADDR": "127.0.0.1", "DIST_BACKEND": "ray",
+           "RIG_STATE": str(tmp_path), "LOG": ""}
+    r = run_rig(env, "start", "--demo", "--dry-run", "--no-build", "--skip-box-check")
+    assert r.code == 2 and "DIST_BACKEND=ray: expected mp with the CPU build" in r.err, r.out + r.err
+    assert "current platform cpu does not support ray" in r.err and "nox -s ray -- up" in r.err

@@ -499,7 +499,8 @@ def test_the_rig_brings_a_real_ray_cluster_of_two_nodes_up_and_takes_it_down(ser
     (vLLM's CPU platform has no Ray executor), so the cluster comes up with `nox -s ray` on its own."""
     dest, env, r, _, _ = served
     assert r.returncode == 0
-    common = {**env, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()), "DIST_BACKEND": "ray"}
+    common = {**env, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()), "DIST_BACKEND": "ray",
+              "DEVICE": "cpu"}  # the demo's build: Ray goes into its venv
     try:
         head = nox(dest, {**common, "NODE_RANK": "0"}, "-s", "ray", "--", "up")
         assert head.returncode == 0, head.stdout + head.stderr
@@ -507,7 +508,9 @@ def test_the_rig_brings_a_real_ray_cluster_of_two_nodes_up_and_takes_it_down(ser
         worker = nox(dest, {**common, "NODE_RANK": "1", "RIG_STATE": str(tmp_path / "worker")}, "-s", "ray", "--",
                      "up")
         assert worker.returncode == 0, worker.stdout + worker.stderr
-        st = nox(dest, common, "-s", "ray", "--", "status")
+        deadline = time.monotonic() + 60  # a raylet that joined is listed at Ray's next status report
+        while (st := nox(dest, common, "-s", "ray", "--", "status")).returncode and time.monotonic() < deadline:
+            time.sleep(1)
         assert st.returncode == 0 and "ray: 2 active node(s)" in st.stdout, st.stdout + st.stderr
         real = subprocess.run([str(dest / ".venv-cpu" / "bin" / "ray"), "status", "--address",
                                f"127.0.0.1:{common['HEAD_PORT']}"], capture_output=True, text=True, timeout=120)
