@@ -1,0 +1,110 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = ["psutil>=5.9", "requests>=2.31", "tomli-w>=1.0"]
+# ///
+"""Two nodes of the demo on this box against one, on this repository's CPU build (run `DEVICE=cpu ./build.sh`
+first). Each rank gets its own state folder and core, as tests/test_serve_real.py runs them.
+
+  uv run benchmarks/nodes_start.py
+
+(a) `./start.sh --demo` to healthy with NODES=2 (the head and a headless worker started together), against
+    the one-node `./start.sh --demo` in the same run (both warm: the one-node start runs first, once, unmeasured);
+(b) `kill -9` of the worker's server to the head's registry reporting it, against the agent's beat interval
+    (rig/nodes.py BEAT: the floor of any report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rig import nodes  # noqa: E402
+from rig.health import port_open  # noqa: E402
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nox(env: dict[str, str], *args: str) -> None:
+    subprocess.run([str(ROOT / "scripts" / "nox.sh"), *args], cwd=ROOT, env=env, capture_output=True, timeout=300)
+
+
+def start(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([str(ROOT / "start.sh"), "--demo", "--no-build"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def one_node(tmp: Path, tag: str) -> float:
+    env = {**os.environ, "PORT": str(free_port()), "LOG": str(tmp / f"one-{tag}.log"), "RIG_STATE": str(tmp / tag)}
+    t0 = time.perf_counter()
+    p = start(env)
+    out, _ = p.communicate(timeout=900)
+    took = time.perf_counter() - t0
+    nox(env, "-s", "stop")
+    if p.returncode:
+        raise SystemExit(f"the one-node start failed:\n{out[-3000:]}")
+    return took
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        one_node(tmp, "warm-up")
+        one = one_node(tmp, "one")
+        common = {**os.environ, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()),
+                  "NODES_PORT": str(free_port())}
+        head = {**common, "NODE_RANK": "0", "PORT": str(free_port()), "LOG": str(tmp / "head.log"),
+                "RIG_STATE": str(tmp / "head"), "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        worker = {**common, "NODE_RANK": "1", "PORT": str(free_port()), "LOG": str(tmp / "worker.log"),
+                  "RIG_STATE": str(tmp / "worker"), "VLLM_CPU_OMP_THREADS_BIND": "1"}
+        t0 = time.perf_counter()
+        h, w = start(head), start(worker)
+        h_out, _ = h.communicate(timeout=900)
+        two = time.perf_counter() - t0
+        w.communicate(timeout=300)
+        try:
+            if h.returncode or not port_open("127.0.0.1", int(head["PORT"])):
+                raise SystemExit(f"the two-node start failed:\n{h_out[-3000:]}")
+            print(f"(a) two-node demo to healthy: {two:.1f} s; one node: {one:.1f} s; ratio {two / one:.2f}x")
+            rec = tomllib.loads((tmp / "worker" / "engine.toml").read_text())
+            url = tomllib.loads((tmp / "head" / "nodes.toml").read_text())["url"]
+            server = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _headless(int(pid), rec))
+            os.kill(server, signal.SIGKILL)
+            t1 = time.perf_counter()
+            while json.loads(urllib.request.urlopen(url + "/state", timeout=5).read())["members"]["1"]["engine"] \
+                    != "gone":
+                time.sleep(0.02)
+            seen = time.perf_counter() - t1
+            print(f"(b) worker killed -> the head reports it: {seen:.2f} s; the beat interval: {nodes.BEAT:.2f} s; "
+                  f"ratio {seen / nodes.BEAT:.2f}x")
+        finally:
+            nox(head, "-s", "stop")
+            nox(worker, "-s", "stop")
+
+
+def _headless(pid: int, rec: dict) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return os.getpgid(pid) == rec["pgid"] and b"--headless" in cmd and not any(b"logpump" in c for c in cmd)
+    except (OSError, ProcessLookupError):
+        return False
+
+
+if __name__ == "__main__":
+    main()
