@@ -39,12 +39,8 @@ def stop(s: Settings, v: Serve) -> int:
     try:
         return _stop_engine(s, v)
     finally:
-        if role and role.backend == "ray":
-            from rig import raycluster
-
-            say(f"ray: {raycluster.stop(s)}")
         if role:
-            nodes.end_helper(s)  # the head's registry, or this worker's agent
+            nodes.close(s, role)  # the head's registry, or this worker's agent
 
 
 def _stop_engine(s: Settings, v: Serve) -> int:
@@ -97,11 +93,11 @@ def status(s: Settings, v: Serve) -> int:
     role = nodes.load_role(s)
     if role and role.role == "worker":
         answers = nodes.call(role.url, "/state")[0] == 200
+        beating = alive(role.pid)
         say(f"pid {rec.pid}: worker {role.rank}, headless, up {ago(rec.started)}; the head's registry at {role.url}: "
             + ("answers" if answers else "does NOT answer"))
-        say(f"engine: {'running' if server_alive(rec) else 'GONE'}; agent: "
-            f"{'beating' if alive(role.pid) else 'GONE'}")
-        return 0 if server_alive(rec) and alive(role.pid) else 1
+        say(f"engine: running; agent: {'beating' if beating else 'GONE'}")  # a gone server returned 1 above
+        return 0 if beating else 1
     node_ok, lines = nodes.node_lines(role) if role else (True, [])
     look = watchdog.Look(s.state_dir, engine_key(rec), rec.host, rec.port, v.hang_window, rec.supervisor).take()
     checked = not (look.hung or rec.hang) and node_ok

@@ -237,6 +237,15 @@ def end_helper(s: Settings, timeout: float = 5.0) -> None:
     role_path(s).unlink(missing_ok=True)
 
 
+def close(s: Settings, role: Role) -> None:
+    """After this node's engine has ended: its Ray (with Ray), then its registry or agent."""
+    if role.backend == "ray":
+        from rig import raycluster
+
+        say(f"ray: {raycluster.stop(s)}")
+    end_helper(s)
+
+
 def _spawn(kind: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     """The registry or the agent, in a session of its own; what it says goes to ``log`` (RIG_STATE)."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -420,7 +429,7 @@ def _local(s: Settings, v: Serve) -> tuple[bool, str] | None:
     if v.dist_backend == "ray":
         from rig import raycluster
 
-        return (True, "") if raycluster.running(s) else (False, "its raylet is gone")
+        return (True, "") if raycluster.running() else (False, "its raylet is gone")
     rec = load(s)
     if rec is None:  # stopped here (nox -s stop on this node), or its whole group has ended
         return None

@@ -93,14 +93,11 @@ def wait_for_nodes(s: Settings, v: Serve) -> None:
         time.sleep(1)
 
 
-def running(s: Settings) -> bool:
-    """Whether a raylet of this venv's Ray runs on this machine."""
+def running() -> bool:
+    """Whether a raylet runs on this machine (one node's part of the cluster)."""
     import psutil
 
-    for p in psutil.process_iter(["name"]):
-        if p.info["name"] == "raylet":
-            return True
-    return False
+    return any(p.info["name"] == "raylet" for p in psutil.process_iter(["name"]))
 
 
 def stop(s: Settings) -> str:

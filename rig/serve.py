@@ -88,19 +88,18 @@ def _start_node(s: config.Settings, v: config.Serve, launch: supervise.Launch, e
         launch.on_ready = lambda: nodes.tell(role, "ready")
         code = supervise.start(launch)
     except BaseException:  # the workers that joined stop too: their agents see the stop, or lose the head
-        for line in nodes.stop_workers(role, v.stop_timeout):
-            say(line)
-        if ray:
-            say(raycluster.stop(s))
-        nodes.end_helper(s)
+        _release(s, v, role)
         raise
     if launch.foreground:  # the engine has ended (a stop, a signal, a crash): the workers' engines end with it
-        for line in nodes.stop_workers(role, v.stop_timeout):
-            say(line)
-        if ray:
-            say(raycluster.stop(s))
-        nodes.end_helper(s)
+        _release(s, v, role)
     return code
+
+
+def _release(s: config.Settings, v: config.Serve, role: nodes.Role) -> None:
+    """The head's engine has ended, or never started: the workers stop, then this node's Ray and registry."""
+    for line in nodes.stop_workers(role, v.stop_timeout):
+        say(line)
+    nodes.close(s, role)
 
 
 def _build_if_needed(s: config.Settings, dry_run: bool) -> None:

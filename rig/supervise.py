@@ -401,6 +401,21 @@ def _create_time(pid: int) -> float:
         return 0.0
 
 
+def _api_check(s: Settings, v: Serve, rec: Record, deadline: float) -> Callable[[], tuple[bool, str, bool]]:
+    """The engine's own health while it starts: its port, then a one-token generation; (healthy, what to say,
+    whether a request was sent)."""
+    def check() -> tuple[bool, str, bool]:
+        if not port_open(s.host, s.port):
+            return False, "not listening yet", False
+        ok, detail = health(s.host, s.port, v.names[0], v.api_key,
+                            timeout=max(1.0, min(120.0, deadline - time.monotonic())), extra=json.loads(rec.health))
+        if not ok:
+            return False, detail, True
+        return True, (f"http://{connect_host(s.host)}:{s.port}/v1, model {', '.join(v.names)} (a one-token "
+                      "generation answered)"), True
+    return check
+
+
 def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, lines: _Lines, quiet: bool,
                   stopping: threading.Event, probe: Callable[[], tuple[bool, str]] | None = None) -> None:
     t0 = time.monotonic()
@@ -408,6 +423,7 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
     last_beat = t0
     next_try = t0
     last_detail = "not listening yet"
+    check = (lambda: (*probe(), True)) if probe else _api_check(s, v, rec, deadline)
     while True:
         for line in lines.new():
             note = None if quiet else _notable(line)
@@ -427,31 +443,17 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
             raise WorkFailed(f"the engine exited with code {code} after {time.monotonic() - t0:.0f} s, before it "
                              f"was healthy{' (its last lines are above)' if s.log else ''}{where}")
         now = time.monotonic()
-        if probe and now >= next_try:
-            ok, last_detail = probe()
-            next_try = now + RETRY
+        if now >= next_try:
+            ok, last_detail, asked = check()
             if ok:
                 rec.ready = time.time()
                 save(s, rec)
                 say(f"ready in {time.monotonic() - t0:.1f} s: {last_detail}")
-                return
-        listening = not probe and now >= next_try and port_open(s.host, s.port)
-        if now >= next_try and not listening and not probe:
-            last_detail = "not listening yet"
-        if listening:
-            ok, detail = health(s.host, s.port, v.names[0], v.api_key, timeout=max(1.0, min(120.0, deadline - now)),
-                                extra=json.loads(rec.health))
-            if ok:
-                rec.ready = time.time()
-                save(s, rec)
-                names = ", ".join(v.names)
-                say(f"ready in {time.monotonic() - t0:.1f} s: http://{connect_host(s.host)}:{s.port}/v1, "
-                    f"model {names} (a one-token generation answered)")
                 if rec.capacity:
                     say(rec.capacity)
                 return
-            last_detail = detail
-            next_try = time.monotonic() + RETRY
+            if asked:  # a port not open yet is looked at again at the next poll
+                next_try = time.monotonic() + RETRY
         if now >= deadline:
             raise WorkFailed(f"the engine was not healthy within START_TIMEOUT={v.start_timeout} s (last check: "
                              f"{last_detail}); it was stopped. Raise START_TIMEOUT for a slow first start")

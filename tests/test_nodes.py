@@ -9,7 +9,7 @@ import time
 from http.server import ThreadingHTTPServer
 
 import pytest
-from conftest import ROOT, run_rig
+from conftest import run_rig
 
 from rig import config, engine, netif, nodes
 from rig.errors import BadInput
@@ -158,30 +158,29 @@ def test_a_worker_waits_for_the_head_then_gives_up_naming_it(monkeypatch):
 # -- the topology through start --------------------------------------------------------------------------------------
 
 
+def dry_start(tmp_path, **env: str):
+    """``./start.sh --demo --dry-run`` as a node of the demo on the loopback, in a state folder of its own."""
+    env = {**os.environ, "HEAD_ADDR": "127.0.0.1", "RIG_STATE": str(tmp_path), "LOG": "", **env}
+    return run_rig(env, "start", "--demo", "--dry-run", "--no-build", "--skip-box-check")
+
+
 def test_a_node_count_that_does_not_divide_the_demos_layers_exits_2_with_counts_that_would(tmp_path):
-    env = {**os.environ, "NODES": "4", "NODE_RANK": "0", "HEAD_ADDR": "127.0.0.1", "RIG_STATE": str(tmp_path),
-           "LOG": ""}
-    r = run_rig(env, "start", "--demo", "--dry-run", "--no-build", "--skip-box-check")
+    r = dry_start(tmp_path, NODES="4", NODE_RANK="0")
     assert r.code == 2, r.out + r.err
     assert "NODES=4: expected a node count that divides the model's 2 layers" in r.err
     assert "NODES=1 or 2 would do" in r.err
 
 
 def test_the_dry_run_of_a_worker_shows_the_headless_command_and_the_interface(tmp_path):
-    env = {**os.environ, "NODES": "2", "NODE_RANK": "1", "HEAD_ADDR": "127.0.0.1", "RIG_STATE": str(tmp_path),
-           "LOG": ""}
-    r = run_rig(env, "start", "--demo", "--dry-run", "--no-build", "--skip-box-check")
+    r = dry_start(tmp_path, NODES="2", NODE_RANK="1")
     assert r.code == 0, r.out + r.err
     assert "topology: TP1 x PP2 on cards 0: 2 nodes of 1 card(s)" in r.out
     assert "nodes: worker 1 of 2 (mp), head 127.0.0.1:29501; interface lo 127.0.0.1" in r.out
     assert "--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29501 --headless" in r.out
     assert "NCCL_SOCKET_IFNAME=lo" in r.out and "VLLM_HOST_IP=127.0.0.1" in r.out
-    assert (ROOT / "rig" / "nodes.py").is_file()
 
 
 def test_ray_with_the_cpu_build_is_refused_before_anything_starts(tmp_path):
-    env = {**os.environ, "NODES": "2", "NODE_RANK": "0", "HEAD_ADDR": "127.0.0.1", "DIST_BACKEND": "ray",
-           "RIG_STATE": str(tmp_path), "LOG": ""}
-    r = run_rig(env, "start", "--demo", "--dry-run", "--no-build", "--skip-box-check")
+    r = dry_start(tmp_path, NODES="2", NODE_RANK="0", DIST_BACKEND="ray")
     assert r.code == 2 and "DIST_BACKEND=ray: expected mp with the CPU build" in r.err, r.out + r.err
     assert "current platform cpu does not support ray" in r.err and "nox -s ray -- up" in r.err
