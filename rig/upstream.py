@@ -7,11 +7,15 @@ is a different tree from the git tag (the sdist drops ``.github/`` and adds
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import tarfile
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from rig import atomic
@@ -75,28 +79,38 @@ def project_of(filename: str) -> str:
     return re.sub(r"[-_.]+", "-", filename.split("-", 1)[0]).lower()
 
 
-def index_link(index_url: str, filename: str) -> tuple[str, str]:
-    """A file's URL and sha256 from the index's simple API (PEP 691 JSON), under its project."""
-    import requests  # imported here: a build with warm caches never needs it, and it is slow to import
+def _http_failure(url: str, exc: OSError, fix: str) -> Exception:
+    """A 4xx answer is bad input (the index or the name is wrong: exit 2); anything else, a failure of the
+    network (exit 1: running again may pass)."""
+    if isinstance(exc, urllib.error.HTTPError) and 400 <= exc.code < 500:
+        return BadInput(problem(url, "a file the index serves", f"HTTP {exc.code} {exc.reason}", fix))
+    return WorkFailed(f"{url}: {type(exc).__name__}: {exc}. Fix: check the network (a proxy's CA must be in "
+                      "the system's certificate store, which the rig trusts) or INDEX_URL, and run again")
 
+
+def index_link(index_url: str, filename: str) -> tuple[str, str]:
+    """A file's URL and sha256 from the index's simple API (PEP 691 JSON), under its project.
+
+    The standard library fetches it, trusting the system's certificate store like the uv bootstrap and uv."""
     url = f"{index_url}/{project_of(filename)}/"
+    fix = "check [upstream].version, or set INDEX_URL to an index that has it"
     try:
-        r = requests.get(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60)
-        r.raise_for_status()
-        files = r.json()["files"]
-    except (requests.RequestException, ValueError, KeyError) as exc:
+        req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            files = json.load(r)["files"]
+    except OSError as exc:
+        raise _http_failure(url, exc, fix) from None
+    except (ValueError, KeyError, TypeError) as exc:
         raise BadInput(problem(f"the vLLM index {url}", "a PEP 691 simple index answering",
-                               f"{type(exc).__name__}: {exc}",
-                               "check the network, or set INDEX_URL to a reachable index")) from None
+                               f"{type(exc).__name__}: {exc}", "set INDEX_URL to an index that speaks PEP 691")) from None
     for f in files:
         if f.get("filename") == filename:
             sha = (f.get("hashes") or {}).get("sha256")
             if not sha:
                 raise BadInput(problem(f"{filename} at {url}", "a sha256 hash", "none",
                                        "use an index that publishes hashes"))
-            return requests.compat.urljoin(url, f["url"]), sha
-    raise BadInput(problem(f"{url}", f"a file named {filename}", "none listed",
-                           "check [upstream].version, or set INDEX_URL to an index that has it"))
+            return urllib.parse.urljoin(url, f["url"]), sha
+    raise BadInput(problem(f"{url}", f"a file named {filename}", "none listed", fix))
 
 
 def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | None,
@@ -128,26 +142,22 @@ def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | Non
 
 def download(url: str, dest: Path) -> None:
     """Download with a progress line, to a temporary name renamed when complete."""
-    import requests
-
     say(f"downloading {url}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with requests.get(url, stream=True, timeout=60) as r:
-            r.raise_for_status()
+        with urllib.request.urlopen(url, timeout=60) as r:
             total = int(r.headers.get("content-length") or 0)
             done, last = 0, 0.0
             with atomic.atomic_open(dest, "wb") as fh:
-                for chunk in r.iter_content(1 << 20):
+                while chunk := r.read(1 << 20):
                     fh.write(chunk)
                     done += len(chunk)
                     if time.monotonic() - last > 2 or done == total:
                         last = time.monotonic()
                         pct = f" ({100 * done // total}%)" if total else ""
                         print(f"{INDENT}{done / 1e6:.1f} MB{pct}", file=sys.stderr, flush=True)
-    except requests.RequestException as exc:
-        raise WorkFailed(f"download of {url} failed: {exc}. Fix: check the network and run again "
-                         "(nothing partial was kept)") from None
+    except OSError as exc:
+        raise _http_failure(url, exc, "check the URL (nothing partial was kept)") from None
 
 
 def base_from_sdist(repo: Git, sdist: Path, version: str, tag: str, sha: str) -> str:

@@ -29,9 +29,11 @@ WHEELS = {
 }
 
 
-def fail(msg: str) -> None:
+def fail(msg: str, code: int = 2) -> None:
+    """Stop with the rig's exit codes: 2 for bad input (a machine, a pin, an index without the file), 1 for a
+    download that failed (the network: running again may pass)."""
     print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 def main(dest: Path) -> Path:
@@ -45,8 +47,16 @@ def main(dest: Path) -> Path:
         req = urllib.request.Request(f"{index}/uv/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             files = json.load(r)["files"]
+    except OSError as exc:
+        fail(f"uv {VERSION}: the index {index}/uv/ did not answer ({type(exc).__name__}: {exc}). "
+             "Fix: check the network (a proxy's CA must be in the system's certificate store), "
+             "or set INDEX_URL to a reachable index", 1)
+    except ValueError as exc:
+        fail(f"uv {VERSION} from {index}/uv/: expected a PEP 691 JSON listing, found {exc}. "
+             "Fix: set INDEX_URL to an index that speaks PEP 691")
+    try:
         entry = next(f for f in files if f["filename"] == name)
-    except (OSError, ValueError, KeyError, StopIteration) as exc:
+    except (TypeError, KeyError, StopIteration) as exc:
         fail(f"uv {VERSION} from {index}/uv/: expected {name} listed, found {type(exc).__name__}: {exc}. "
              "Fix: check the network, or set INDEX_URL to an index that has it")
     if entry["hashes"].get("sha256") != pinned:
@@ -57,14 +67,18 @@ def main(dest: Path) -> Path:
           file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         whl = Path(tmp) / name
-        with urllib.request.urlopen(urllib.parse.urljoin(f"{index}/uv/", entry["url"]), timeout=300) as r, \
-                open(whl, "wb") as out:
-            h = hashlib.sha256()
-            while chunk := r.read(1 << 20):
-                h.update(chunk)
-                out.write(chunk)
+        h = hashlib.sha256()
+        try:
+            with urllib.request.urlopen(urllib.parse.urljoin(f"{index}/uv/", entry["url"]), timeout=300) as r, \
+                    open(whl, "wb") as out:
+                while chunk := r.read(1 << 20):
+                    h.update(chunk)
+                    out.write(chunk)
+        except OSError as exc:
+            fail(f"download of {name} from {index}: {type(exc).__name__}: {exc}. Fix: check the network and "
+                 "run again (nothing was kept)", 1)
         if h.hexdigest() != pinned:
-            fail(f"sha256 of the downloaded {name}: expected {pinned}, found {h.hexdigest()}. Fix: run again")
+            fail(f"sha256 of the downloaded {name}: expected {pinned}, found {h.hexdigest()}. Fix: run again", 1)
         with zipfile.ZipFile(whl) as z:
             member = next(m for m in z.namelist() if m.endswith(".data/scripts/uv"))
             binary = Path(tmp) / "uv"

@@ -9,4 +9,6 @@ if [ -z "$uv" ]; then
   [ -x "$uv" ] || uv="$(python3 "$root/scripts/bootstrap_uv.py" "$root/.rig/uv")"
 fi
 export PATH="$(dirname "$uv"):$PATH"
+# uv trusts the system's certificate store, as the bootstrap (Python's ssl) does, unless its own TLS variable is set.
+[ -n "${UV_SYSTEM_CERTS:-}${UV_NATIVE_TLS:-}" ] || export UV_SYSTEM_CERTS=1
 exec "$uv" run --quiet --script "$root/noxfile.py" -f "$root/noxfile.py" "$@"

@@ -33,6 +33,7 @@ from rig.steps.ops import OpsStep
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
+REF_CKPT = profiles.load("reference").checkpoint
 
 
 def tool(dist: str, name: str) -> Path:
@@ -334,7 +335,10 @@ def compose(tmp_path: Path, env_text: str, **shell_env: str) -> subprocess.Compl
 
 
 def rendered(tmp_path: Path, env_text: str | None = None, **shell_env: str) -> tuple[dict, Path]:
-    r = compose(tmp_path, ENV_EXAMPLE.read_text() if env_text is None else env_text, **shell_env)
+    """The service as compose renders it: by default the copied example with the one line a user must fill in."""
+    if env_text is None:
+        env_text = ENV_EXAMPLE.read_text().replace("\nMODEL_DIR=\n", f"\nMODEL_DIR={REF_CKPT}\n")
+    r = compose(tmp_path, env_text, **shell_env)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)["services"]["vllm"], tmp_path / "proj"
 
@@ -352,9 +356,8 @@ def test_compose_renders_with_the_example_env(tmp_path):
     assert svc["build"]["args"] == {"MAX_JOBS": "32", "ARCH": "8.6", "OPS_ROUTE": "auto"}
     mounts = {v["target"]: v for v in svc["volumes"]}
     model = mounts["/models/Qwen3.8-Flash-Next"]
-    ref = profiles.load("reference").checkpoint
-    assert model["source"] == ex["MODEL_DIR"] == ref and model["read_only"] is True
-    assert mounts["/opt/vllm/qsa_kv_scales.json"]["source"] == f"{ex['MODEL_DIR']}/qsa_kv_scales.json"
+    assert ex["MODEL_DIR"] == "" and model["source"] == REF_CKPT and model["read_only"] is True
+    assert mounts["/opt/vllm/qsa_kv_scales.json"]["source"] == f"{REF_CKPT}/qsa_kv_scales.json"
     assert mounts["/opt/vllm/qsa_kv_scales.json"]["read_only"] is True
     assert mounts["/opt/qwen38/abliteration"]["source"] == str(proj / "abliteration")
     assert mounts["/cache"]["source"] == str(proj / ".vllm-cache") and not mounts["/cache"].get("read_only")
@@ -378,14 +381,15 @@ def test_compose_renders_with_the_example_env(tmp_path):
 def test_compose_defaults_alone_are_the_example(tmp_path):
     """A .env with MODEL_DIR only renders the same service: the port stays on 127.0.0.1 by default."""
     full, _ = rendered(tmp_path)
-    bare, _ = rendered(tmp_path, f"MODEL_DIR={example()['MODEL_DIR']}\n")
+    bare, _ = rendered(tmp_path, f"MODEL_DIR={REF_CKPT}\n")
     assert bare == full and bare["ports"][0]["host_ip"] == "127.0.0.1"
 
 
-@pytest.mark.parametrize("how", ["empty", "missing"])
+@pytest.mark.parametrize("how", ["copied", "missing"])
 def test_compose_stops_with_a_message_when_model_dir_is_empty(tmp_path, how):
-    lines = [ln for ln in ENV_EXAMPLE.read_text().splitlines() if not ln.startswith("MODEL_DIR=")]
-    r = compose(tmp_path, "\n".join(lines + (["MODEL_DIR="] if how == "empty" else [])) + "\n")
+    """The example copied as it is must stop: it leaves MODEL_DIR for the user (no other box's path)."""
+    lines = [ln for ln in ENV_EXAMPLE.read_text().splitlines() if how == "copied" or not ln.startswith("MODEL_DIR=")]
+    r = compose(tmp_path, "\n".join(lines) + "\n")
     assert r.returncode != 0 and not r.stdout
     assert "required variable MODEL_DIR is missing a value: set MODEL_DIR in .env" in r.stderr, r.stderr
 
@@ -418,7 +422,7 @@ def test_env_example_lists_every_variable_compose_reads_at_the_rig_defaults():
         if name == "MODEL_NAME":  # the container's own default, not start.sh's
             assert value == profiles.load("reference").service_name and m and m[2] == value, (name, value)
         elif name == "MODEL_DIR":
-            assert re.search(r"\$\{MODEL_DIR:\?[^}]+\}", text) and value == profiles.load("reference").checkpoint
+            assert re.search(r"\$\{MODEL_DIR:\?[^}]+\}", text) and value == ""  # no other box's folder
         elif by[name].literal is None:  # a default made of another variable or the profile: empty here
             assert value == "" and m and m[1] == ":-", name
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import tomllib
 
@@ -72,7 +73,10 @@ def test_start_help_names_its_switches_and_the_variables(tmp_path):
 
 
 def test_a_fresh_machine_gets_uv_without_pip_or_the_system_python(tmp_path):
-    """Debian's own python3 is externally managed (PEP 668): the wrapper fetches the pinned uv itself."""
+    """Debian's own python3 is externally managed (PEP 668): the wrapper fetches the pinned uv itself.
+
+    The environment is bare: no certificate variables. Behind a TLS-inspecting proxy whose CA is only in the
+    system's store, uv with its own bundled roots fails; the wrapper makes it trust the store as Python does."""
     import shutil as sh
 
     copy = tmp_path / "rig"
@@ -82,7 +86,6 @@ def test_a_fresh_machine_gets_uv_without_pip_or_the_system_python(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
-    env.update({k: os.environ[k] for k in ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE") if k in os.environ})
     assert subprocess.run(["/usr/bin/python3", "-m", "pip", "install", "--user", "--dry-run", "uv"], env=env,
                           capture_output=True, text=True).returncode != 0  # what the wrapper must not rely on
     r = subprocess.run([str(copy / "build.sh"), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -92,6 +95,30 @@ def test_a_fresh_machine_gets_uv_without_pip_or_the_system_python(tmp_path):
     assert os.access(copy / ".rig" / "uv" / "uv", os.X_OK)
     again = subprocess.run([str(copy / "build.sh"), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert again.returncode == 0 and "fetching uv" not in again.stderr  # kept under the rig's state
+
+
+def test_uv_trusts_the_system_store_unless_the_user_chose(tmp_path):
+    """The wrapper sets uv's system-certificates switch, and leaves either of uv's own TLS variables alone."""
+    seen = tmp_path / "seen"
+    fake = tmp_path / "uv"  # records what the wrapper hands uv; the real uv is driven by the test above
+    fake.write_text(f"#!/bin/sh\necho \"${{UV_SYSTEM_CERTS-unset}} ${{UV_NATIVE_TLS-unset}}\" >> {seen}\n")
+    fake.chmod(0o755)
+    for extra in ({}, {"UV_SYSTEM_CERTS": "false"}, {"UV_NATIVE_TLS": "0"}):
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "UV": str(fake), **extra}
+        subprocess.run([str(ROOT / "scripts" / "nox.sh"), "-l"], env=env, check=True)
+    assert seen.read_text().splitlines() == ["1 unset", "false unset", "unset 0"]
+
+
+def test_the_uv_bootstrap_says_a_failed_download_is_exit_1(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run(["/usr/bin/python3", str(ROOT / "scripts" / "bootstrap_uv.py"), str(tmp_path / "uv")],
+                       env={"PATH": "/usr/bin:/bin", "INDEX_URL": f"http://127.0.0.1:{port}/simple"},
+                       capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"127.0.0.1:{port}" in r.stderr and "check the network" in r.stderr
+    assert not (tmp_path / "uv" / "uv").exists()
 
 
 def test_the_uv_bootstrap_refuses_a_wheel_whose_sha256_is_not_the_pin(tmp_path):
