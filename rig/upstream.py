@@ -102,7 +102,8 @@ def index_link(index_url: str, filename: str) -> tuple[str, str]:
         raise _http_failure(url, exc, fix) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise BadInput(problem(f"the vLLM index {url}", "a PEP 691 simple index answering",
-                               f"{type(exc).__name__}: {exc}", "set INDEX_URL to an index that speaks PEP 691")) from None
+                               f"{type(exc).__name__}: {exc}",
+                               "set INDEX_URL to an index that speaks PEP 691")) from None
     for f in files:
         if f.get("filename") == filename:
             sha = (f.get("hashes") or {}).get("sha256")
