@@ -44,8 +44,12 @@ def test_same_sections_in_the_same_order(texts):
 
 
 def test_same_variables_table_rows(texts):
-    # the meanings are translated; the names and defaults, and their order, are not
+    # the meanings are translated; the names and defaults, and their order, are not (README and docs/variables)
     en, idn = texts
     names_defaults = lambda rows: [row[:2] for row in rows]  # noqa: E731
-    assert names_defaults(variables_table(en)) == [(v.name, v.default) for v in config.VARS]
     assert names_defaults(variables_table(idn, "| Variabel | Bawaan | Arti |")) == names_defaults(variables_table(en))
+    full_en, full_id = ((ROOT / "docs" / name).read_text() for name in ("variables.md", "variables.id.md"))
+    assert names_defaults(variables_table(full_en)) == [(v.name, v.default) for v in config.VARS]
+    assert names_defaults(variables_table(full_id, "| Variabel | Bawaan | Arti |")) == \
+        names_defaults(variables_table(full_en))
+    assert "variables.md" in full_id.split("|", 1)[0]  # the English page is the reference
