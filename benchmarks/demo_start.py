@@ -1,27 +1,31 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["psutil>=5.9", "requests>=2.31", "tomli-w>=1.0"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
 # ///
 """./start.sh --demo on this repository's CPU build (run `DEVICE=cpu ./build.sh` first).
 
-  uv run benchmarks/demo_start.py [--repeat 5] [--serve]
+  uv run benchmarks/demo_start.py [--repeat 5] [--serve] [--rig DIR] [--quick]
+
+--rig DIR: the copy of the rig to work on, CPU-built (default: this checkout). --quick: --repeat 1, 3 probes in
+(d) and `bench.sh 32 8 "1 4"` in (e): the same code in the least time (CI runs `--serve --quick --rig` on its copy).
 
 (a) making the demo model (rig/demo.py, with the CPU venv's transformers), against importing
     transformers and torch in the same venv (the floor of any checkpoint made there);
 (b) the no-op `./start.sh --demo --dry-run` (build current, model made), median of N, against
     `python -c 'import nox'` with the interpreter the wrapper runs nox with;
-(c) with --serve: `./start.sh --demo` to healthy, then `nox -s stop` (port 8123, log in a temp folder),
+(c) with --serve: `./start.sh --demo` to healthy, then `nox -s stop` (a free port, log in a temp folder),
     against a bare `vllm serve` of the same command polled with one-token requests;
 (d) with --serve, on that engine: the health check's cost per probe (a one-token generation), against
-    GET /v1/models (a probe that generates nothing), median of 20 each;
+    GET /v1/models (a probe that generates nothing), median of 20 each (3 with --quick);
 (e) with --serve: the demo model's bench figures, `benchmarks/bench.sh 128 16 "1 4"` (llama-benchy 0.4.0):
-    prefill and decode t/s at concurrency 1 and 4 (reported, not a target).
+    prefill and decode t/s at concurrency 1 and 4 (reported, not a target; `32 8` with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,39 +36,49 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-from build_rerun import sh  # noqa: E402 - benchmarks/build_rerun.py
+from build_rerun import nox_python, sh  # noqa: E402 - benchmarks/build_rerun.py
 from timing import median_time, timed  # noqa: E402 - benchmarks/timing.py
 
-from rig import demo  # noqa: E402
+from rig.config import serve_settings, settings  # noqa: E402
+from rig.demo import ensure as ensure_demo  # noqa: E402
+from rig.engine import command  # noqa: E402
+from rig.health import health  # noqa: E402
+from rig.profiles import load as load_profile  # noqa: E402
+from rig.supervise import terminate  # noqa: E402
+from rig.topology import choose  # noqa: E402
 
 
-def bare_serve(env: dict[str, str]) -> float:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bare_serve(rig: Path, env: dict[str, str]) -> float:
     """The same ``vllm serve`` command and environment the rig would run, started bare and polled every 0.5 s
     with the rig's one-token request until it answers; the seconds that took. The engine is then stopped."""
-    from rig import config, engine, profiles, supervise, topology
-
-    s, v = config.settings(env), config.serve_settings(env)
-    p = profiles.load(s.profile)
-    eng = engine.command(s, v, topology.choose([0], {}), None, p)
+    s, v = settings(env, root=rig), serve_settings(env, root=rig)
+    p = load_profile(s.profile, rig / "models")
+    eng = command(s, v, choose([0], {}), None, p)
     t0 = time.perf_counter()
     proc = subprocess.Popen(eng.argv, env=eng.full_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, cwd="/")
     try:
-        while not supervise.health(s.host, s.port, v.names[0], timeout=5, extra=p.health)[0]:
+        while not health(s.host, s.port, v.names[0], timeout=5, extra=p.health)[0]:
             if proc.poll() is not None:
                 raise SystemExit(f"bare vllm serve exited with {proc.returncode}")
+            if time.perf_counter() - t0 > 900:
+                raise SystemExit("bare vllm serve: not healthy after 900 s")
             time.sleep(0.5)
         return time.perf_counter() - t0
     finally:
-        supervise.terminate(proc.pid, 20)
+        terminate(proc.pid, 20)
 
 
-def probe_cost(env: dict[str, str]) -> None:
+def probe_cost(env: dict[str, str], n: int) -> None:
     """(d): the rig's health probe against the cheapest request the server answers, on the running engine."""
     import http.client
     import statistics
-
-    from rig.health import health
 
     port = int(env["PORT"])
 
@@ -83,28 +97,28 @@ def probe_cost(env: dict[str, str]) -> None:
     for name, fn in (("models", models), ("probe", probe)):
         fn()  # warm
         samples = []
-        for _ in range(20):
+        for _ in range(n):
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
         times[name] = statistics.median(samples)
-    print(f"(d) the health check (a one-token generation), median of 20: {times['probe'] * 1e3:.1f} ms per probe  | "
+    print(f"(d) the health check (a one-token generation), median of {n}: {times['probe'] * 1e3:.1f} ms per probe  | "
           f"GET /v1/models: {times['models'] * 1e3:.1f} ms  | ratio {times['probe'] / times['models']:.1f}x")
 
 
-def bench_figures(env: dict[str, str], results: Path) -> None:
+def bench_figures(rig: Path, env: dict[str, str], results: Path, pp: int, tg: int) -> None:
     """(e): bench.sh against the demo engine; its table's prefill and decode t/s at concurrency 1 and 4."""
-    r = sh([str(ROOT / "benchmarks" / "bench.sh"), "128", "16", "1 4", "0", "--runs", "1", "--skip-coherence",
-            "--results-dir", str(results)], ROOT, {**env, "PROFILE": "demo"})
+    r = sh([str(rig / "benchmarks" / "bench.sh"), str(pp), str(tg), "1 4", "0", "--runs", "1", "--skip-coherence",
+            "--results-dir", str(results)], rig, {**env, "PROFILE": "demo"})
     folder = Path(next(ln for ln in r.stdout.splitlines() if ln.startswith("results: ")).removeprefix("results: "))
     rows = {}
     for ln in (folder / "results.md").read_text().splitlines():
         cols = [c.strip() for c in ln.strip().strip("|").split("|")]
         if len(cols) == 9 and cols[0].isdigit():
             rows[int(cols[0])] = (float(cols[3].split()[0]), float(cols[5].split()[0]))
-    line = "  | ".join(f"c={c}: prefill {pp:.0f} t/s, decode {tg:.1f} t/s" for c, (pp, tg) in sorted(rows.items()))
+    line = "  | ".join(f"c={c}: prefill {pre:.0f} t/s, decode {dec:.1f} t/s" for c, (pre, dec) in sorted(rows.items()))
     ratio = rows[4][1] / rows[1][1] if 1 in rows and 4 in rows and rows[1][1] else 0.0
-    print(f"(e) the demo model, bench.sh 128 16 '1 4' (llama-benchy 0.4.0): {line}  | decode c=4 / c=1: "
+    print(f"(e) the demo model, bench.sh {pp} {tg} '1 4' (llama-benchy 0.4.0): {line}  | decode c=4 / c=1: "
           f"{ratio:.1f}x (reported, not a target)")
 
 
@@ -112,34 +126,42 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--serve", action="store_true", help="also start the engine and time it to healthy")
+    ap.add_argument("--rig", type=Path, default=ROOT, help="the CPU-built copy of the rig (default: this one)")
+    ap.add_argument("--quick", action="store_true", help="--repeat 1, fewer probes, a smaller bench: in the least "
+                    "time")
     a = ap.parse_args()
-    py = ROOT / ".venv-cpu" / "bin" / "python"
+    rig = a.rig.resolve()
+    probes, (pp, tg) = 20, (128, 16)
+    if a.quick:
+        a.repeat, probes, (pp, tg) = 1, 3, (32, 8)
+    py = rig / ".venv-cpu" / "bin" / "python"
     if not py.exists():
-        raise SystemExit("run DEVICE=cpu ./build.sh first")
+        raise SystemExit(f"no {py}: run DEVICE=cpu ./build.sh in {rig} first")
     with tempfile.TemporaryDirectory() as tmp:
-        make = timed(lambda: demo.ensure(py, Path(tmp) / "demo", ROOT))
+        make = timed(lambda: ensure_demo(py, Path(tmp) / "demo", rig))
         floor = timed(lambda: subprocess.run([str(py), "-c", "import torch, transformers, tokenizers"], check=True))
         print(f"(a) making the demo model: {make:.1f} s  | importing torch + transformers there: {floor:.1f} s  "
               f"| ratio {make / floor:.1f}x")
         env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "PROFILE", "CKPT")}
-        env.update(LOG=str(Path(tmp) / "vllm.log"), PORT="8123")
-        sh([str(ROOT / "start.sh"), "--demo", "--dry-run"], ROOT, env)  # makes the model where it is missing
-        uv = sh(["bash", "-c", "command -v uv || echo $HOME/.local/bin/uv"], ROOT, env).stdout.strip()
-        nox_py = sh([uv, "python", "find", "--script", str(ROOT / "noxfile.py")], ROOT, env).stdout.strip()
-        base = median_time(lambda: sh([nox_py, "-c", "import nox"], ROOT, env), a.repeat)
-        dry = median_time(lambda: sh([str(ROOT / "start.sh"), "--demo", "--dry-run"], ROOT, env), a.repeat)
+        env.update(LOG=str(Path(tmp) / "vllm.log"), PORT=str(free_port()))
+        # the model where ./start.sh --demo makes it (a dry run only says it is missing, and stops with exit 2)
+        ensure_demo(py, settings({**env, "PROFILE": "demo", "DEVICE": "cpu"}, root=rig).ckpt, rig)
+        sh([str(rig / "start.sh"), "--demo", "--dry-run"], rig, env)  # warm
+        nox_py = nox_python(rig, env)
+        base = median_time(lambda: sh([nox_py, "-c", "import nox"], rig, env), a.repeat)
+        dry = median_time(lambda: sh([str(rig / "start.sh"), "--demo", "--dry-run"], rig, env), a.repeat)
         print(f"(b) no-op ./start.sh --demo --dry-run, median of {a.repeat}: {dry:.2f} s  | python -c 'import nox': "
               f"{base:.2f} s  | ratio {dry / base:.1f}x")
         if a.serve:
             t0 = time.perf_counter()
-            sh([str(ROOT / "start.sh"), "--demo"], ROOT, env)
-            up = time.perf_counter() - t0
             try:
-                probe_cost(env)
-                bench_figures(env, Path(tmp) / "results")
+                sh([str(rig / "start.sh"), "--demo"], rig, env)
+                up = time.perf_counter() - t0
+                probe_cost(env, probes)
+                bench_figures(rig, env, Path(tmp) / "results", pp, tg)
             finally:
-                sh([str(ROOT / "scripts" / "nox.sh"), "-s", "stop"], ROOT, env)
-            bare = bare_serve({**env, "PROFILE": "demo", "DEVICE": "cpu"})
+                sh([str(rig / "scripts" / "nox.sh"), "-s", "stop"], rig, env)
+            bare = bare_serve(rig, {**env, "PROFILE": "demo", "DEVICE": "cpu"})
             print(f"(c) ./start.sh --demo to healthy (build current, model made): {up:.0f} s  | bare vllm serve of "
                   f"the same command, polled with one-token requests: {bare:.0f} s  | ratio {up / bare:.2f}x  | "
                   "target <= 1.05x")

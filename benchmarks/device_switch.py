@@ -1,10 +1,13 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = []
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
 # ///
 """DEVICE=cpu beside the CUDA build, in a fresh copy of this repository (downloads come from the caches).
 
-  uv run benchmarks/device_switch.py [--repeat 5]
+  uv run benchmarks/device_switch.py [--repeat 5] [--rig DIR] [--quick]
+
+--rig DIR: work in that copy of the rig instead of a fresh one (CI passes its built copy): its builds are made
+where missing, so (a) times re-runs where they are there, and says so. --quick: --repeat 1.
 
 (a) the first `DEVICE=cpu ./build.sh` after the CUDA build, warm caches;
 (b) a no-op `DEVICE=cpu ./build.sh`, median of N, against `python -c 'import nox'` with the interpreter
@@ -26,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from build_rerun import CLEAN, fresh_copy, sh  # noqa: E402 - benchmarks/build_rerun.py
+from build_rerun import CLEAN, fresh_copy, nox_python, sh  # noqa: E402 - benchmarks/build_rerun.py
 from timing import median_time  # noqa: E402 - benchmarks/timing.py
 
 
@@ -44,11 +47,17 @@ def stamps(*folders: Path) -> dict[str, tuple[int, int, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rig", type=Path, help="a copy of the rig to work in (no fresh copy; its builds are reused)")
+    ap.add_argument("--quick", action="store_true", help="--repeat 1: the same code, in the least time")
     a = ap.parse_args()
+    if a.quick:
+        a.repeat = 1
     tmp = Path(tempfile.mkdtemp(prefix="rig-bench-device-"))
     try:
-        rig = tmp / "rig"
-        fresh_copy(rig)
+        rig = a.rig.resolve() if a.rig else tmp / "rig"
+        if not a.rig:
+            fresh_copy(rig)
+        built = [d for d in ("vllm", "vllm-cpu") if (rig / d / ".build-products").exists()]
         env = {k: v for k, v in os.environ.items() if k not in CLEAN and k not in ("DEVICE", "ARTIFACTS_DIR")}
         cpu = {**env, "DEVICE": "cpu"}
         build = [str(rig / "build.sh")]
@@ -58,11 +67,12 @@ def main() -> None:
         t0 = time.perf_counter()
         sh(build, rig, cpu)
         cpu_first = time.perf_counter() - t0
-        print(f"(a) first ./build.sh (CUDA) of the fresh copy: {cuda_first:.1f} s; then the first DEVICE=cpu "
-              f"./build.sh: {cpu_first:.1f} s  | ratio {cpu_first / cuda_first:.2f}x the CUDA build")
+        first = "the first " if not built else ""
+        where = f"{rig} (--rig; {', '.join(built)} built before: re-runs)" if built else "the fresh copy"
+        print(f"(a) {first}./build.sh (CUDA) of {where}: {cuda_first:.1f} s; then {first}DEVICE=cpu ./build.sh: "
+              f"{cpu_first:.1f} s  | ratio {cpu_first / cuda_first:.2f}x the CUDA build")
 
-        uv = shutil.which("uv") or str(Path.home() / ".local/bin/uv")
-        py = sh([uv, "python", "find", "--script", str(rig / "noxfile.py")], rig, env).stdout.strip()
+        py = nox_python(rig, env)
         base = median_time(lambda: sh([py, "-c", "import nox"], rig, env), a.repeat)
         noop_cuda = median_time(lambda: sh(build, rig, env), a.repeat)
         noop_cpu = median_time(lambda: sh(build, rig, cpu), a.repeat)

@@ -1,20 +1,24 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["psutil>=5.9", "requests>=2.31", "tomli-w>=1.0"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
 # ///
 """Two nodes of the demo on this box against one, on this repository's CPU build (run `DEVICE=cpu ./build.sh`
 first). Each rank gets its own state folder and core, as tests/test_serve_real.py runs them.
 
-  uv run benchmarks/nodes_start.py
+  uv run benchmarks/nodes_start.py [--rig DIR] [--quick]
+
+--rig DIR: the CPU-built copy of the rig to start (default: this checkout). --quick: no warm-up start (CI runs
+it so, right after its own demo engines, so the files are warm anyway): three engine starts instead of four.
 
 (a) `./start.sh --demo` to healthy with NODES=2 (the head and a headless worker started together), against
     the one-node `./start.sh --demo` in the same run (both warm: the one-node start runs first, once, unmeasured);
 (b) `kill -9` of the worker's server to the head's registry reporting it, against the agent's beat interval
-    (rig/nodes.py BEAT: the floor of any report).
+    (BEAT in rig/nodes/client.py: the floor of any report).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -29,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig import nodes  # noqa: E402
 from rig.health import port_open  # noqa: E402
+from rig.nodes.client import BEAT  # noqa: E402
 
 
 def free_port() -> int:
@@ -41,32 +45,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def nox(env: dict[str, str], *args: str) -> None:
-    subprocess.run([str(ROOT / "scripts" / "nox.sh"), *args], cwd=ROOT, env=env, capture_output=True, timeout=300)
+def nox(rig: Path, env: dict[str, str], *args: str) -> None:
+    subprocess.run([str(rig / "scripts" / "nox.sh"), *args], cwd=rig, env=env, capture_output=True, timeout=300)
 
 
-def start(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([str(ROOT / "start.sh"), "--demo", "--no-build"], cwd=ROOT, env=env,
+def start(rig: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([str(rig / "start.sh"), "--demo", "--no-build"], cwd=rig, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def one_node(tmp: Path, tag: str) -> float:
+def one_node(rig: Path, tmp: Path, tag: str) -> float:
     env = {**os.environ, "PORT": str(free_port()), "LOG": str(tmp / f"one-{tag}.log"), "RIG_STATE": str(tmp / tag)}
     t0 = time.perf_counter()
-    p = start(env)
-    out, _ = p.communicate(timeout=900)
-    took = time.perf_counter() - t0
-    nox(env, "-s", "stop")
+    p = start(rig, env)
+    try:
+        out, _ = p.communicate(timeout=900)
+        took = time.perf_counter() - t0
+    finally:
+        p.kill()
+        nox(rig, env, "-s", "stop")
     if p.returncode:
         raise SystemExit(f"the one-node start failed:\n{out[-3000:]}")
     return took
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rig", type=Path, default=ROOT, help="the CPU-built copy of the rig (default: this one)")
+    ap.add_argument("--quick", action="store_true", help="no warm-up start: three engine starts instead of four")
+    a = ap.parse_args()
+    rig = a.rig.resolve()
+    if not (rig / ".venv-cpu" / "bin" / "vllm").exists():
+        raise SystemExit(f"no {rig / '.venv-cpu'}: run DEVICE=cpu ./build.sh in {rig} first")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        one_node(tmp, "warm-up")
-        one = one_node(tmp, "one")
+        if not a.quick:
+            one_node(rig, tmp, "warm-up")
+        one = one_node(rig, tmp, "one")
         common = {**os.environ, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()),
                   "NODES_PORT": str(free_port())}
         head = {**common, "NODE_RANK": "0", "PORT": str(free_port()), "LOG": str(tmp / "head.log"),
@@ -74,11 +89,11 @@ def main() -> None:
         worker = {**common, "NODE_RANK": "1", "PORT": str(free_port()), "LOG": str(tmp / "worker.log"),
                   "RIG_STATE": str(tmp / "worker"), "VLLM_CPU_OMP_THREADS_BIND": "1"}
         t0 = time.perf_counter()
-        h, w = start(head), start(worker)
-        h_out, _ = h.communicate(timeout=900)
-        two = time.perf_counter() - t0
-        w.communicate(timeout=300)
+        h, w = start(rig, head), start(rig, worker)
         try:
+            h_out, _ = h.communicate(timeout=900)
+            two = time.perf_counter() - t0
+            w.communicate(timeout=300)
             if h.returncode or not port_open("127.0.0.1", int(head["PORT"])):
                 raise SystemExit(f"the two-node start failed:\n{h_out[-3000:]}")
             print(f"(a) two-node demo to healthy: {two:.1f} s; one node: {one:.1f} s; ratio {two / one:.2f}x")
@@ -89,13 +104,17 @@ def main() -> None:
             t1 = time.perf_counter()
             while json.loads(urllib.request.urlopen(url + "/state", timeout=5).read())["members"]["1"]["engine"] \
                     != "gone":
+                if time.perf_counter() - t1 > 60:
+                    raise SystemExit("the head's registry did not report the killed worker in 60 s")
                 time.sleep(0.02)
             seen = time.perf_counter() - t1
-            print(f"(b) worker killed -> the head reports it: {seen:.2f} s; the beat interval: {nodes.BEAT:.2f} s; "
-                  f"ratio {seen / nodes.BEAT:.2f}x")
+            print(f"(b) worker killed -> the head reports it: {seen:.2f} s; the beat interval: {BEAT:.2f} s; "
+                  f"ratio {seen / BEAT:.2f}x")
         finally:
-            nox(head, "-s", "stop")
-            nox(worker, "-s", "stop")
+            h.kill()
+            w.kill()
+            nox(rig, head, "-s", "stop")
+            nox(rig, worker, "-s", "stop")
 
 
 def _headless(pid: int, rec: dict) -> bool:

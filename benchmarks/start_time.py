@@ -1,12 +1,13 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["psutil>=5.9", "tomli-w>=1.0", "requests>=2.31", "nvidia-ml-py>=12"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
 # ///
 """How long ./start.sh takes before the engine runs, and what one health check costs.
 
-  uv run benchmarks/start_time.py [--repeat 5]
+  uv run benchmarks/start_time.py [--repeat 5] [--rig DIR] [--quick]
 
-Run in a checkout with a current build (./build.sh first).
+Run in a checkout with a current build (./build.sh first), or name a built copy of the rig with --rig DIR.
+--quick: --repeat 1 and 20 health checks a round (CI runs it so, on its built copy).
 (a) `./start.sh` to the "engine started" line, the engine's own start excluded: build check, box
     check (skipped with --skip-box-check where there is no GPU), topology, command, spawn; median
     of N against `python -c 'import nox'` with the interpreter the wrapper runs nox with, in the
@@ -36,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from timing import median_time  # noqa: E402 - benchmarks/timing.py
 
-from rig import supervise  # noqa: E402
+from rig.health import health  # noqa: E402
+from rig.uv import find as find_uv  # noqa: E402
 
 
 def free_port() -> int:
@@ -45,11 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def to_engine_start(env: dict, skip_box: bool) -> float:
+def to_engine_start(rig: Path, env: dict, skip_box: bool) -> float:
     """Seconds from ./start.sh to its "engine started" line; the engine is stopped afterwards."""
-    cmd = [str(ROOT / "start.sh")] + (["--skip-box-check"] if skip_box else [])
+    cmd = [str(rig / "start.sh")] + (["--skip-box-check"] if skip_box else [])
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=rig, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     took = None
     for line in proc.stdout:
@@ -59,7 +61,7 @@ def to_engine_start(env: dict, skip_box: bool) -> float:
             break
     proc.terminate()
     proc.wait()
-    subprocess.run([str(ROOT / "scripts/nox.sh"), "-s", "stop"], cwd=ROOT, env=env, capture_output=True)
+    subprocess.run([str(rig / "scripts/nox.sh"), "-s", "stop"], cwd=rig, env=env, capture_output=True, timeout=300)
     if took is None:
         raise SystemExit("./start.sh did not start the engine:\n" + "".join(seen)[-3000:])
     return took
@@ -95,7 +97,13 @@ def raw_request(port: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rig", type=Path, default=ROOT, help="the built copy of the rig to start (default: this one)")
+    ap.add_argument("--quick", action="store_true", help="--repeat 1, 20 health checks: the same code, in seconds")
     a = ap.parse_args()
+    rig = a.rig.resolve()
+    n = 200
+    if a.quick:
+        a.repeat, n = 1, 20
     tmp = Path(tempfile.mkdtemp(prefix="rig-bench-start-"))
     try:
         ckpt = tmp / "ckpt"
@@ -103,7 +111,7 @@ def main() -> None:
         (ckpt / "config.json").write_text("{}")
         (ckpt / "qsa_kv_scales.json").write_text("{}")
         env = {**os.environ, "CKPT": str(ckpt), "PORT": str(free_port()), "LOG": str(tmp / "vllm.log"),
-               "RIG_STATE": str(ROOT / ".rig"), "CACHE_ROOT": str(tmp / "cache"), "STOP_TIMEOUT": "5"}
+               "RIG_STATE": str(rig / ".rig"), "CACHE_ROOT": str(tmp / "cache"), "STOP_TIMEOUT": "5"}
         try:
             import pynvml
 
@@ -111,12 +119,11 @@ def main() -> None:
             skip_box = False
         except Exception:
             skip_box = True
-        uv = shutil.which("uv") or str(Path.home() / ".local/bin/uv")
-        py = subprocess.run([uv, "python", "find", "--script", str(ROOT / "noxfile.py")], capture_output=True,
-                            text=True, check=True).stdout.strip()
+        py = subprocess.run([find_uv(rig), "python", "find", "--script", str(rig / "noxfile.py")],
+                            capture_output=True, text=True, check=True).stdout.strip()
         base = median_time(lambda: subprocess.run([py, "-c", "import nox"], check=True), a.repeat)
-        to_engine_start(env, skip_box)  # warm the page cache once
-        took = sorted(to_engine_start(env, skip_box) for _ in range(a.repeat))[a.repeat // 2]
+        to_engine_start(rig, env, skip_box)  # warm the page cache once
+        took = sorted(to_engine_start(rig, env, skip_box) for _ in range(a.repeat))[a.repeat // 2]
         print(f"(a) ./start.sh to the engine process started{' (box check skipped: no GPU)' if skip_box else ''}: "
               f"{took:.2f} s (median of {a.repeat}); python -c 'import nox' {base:.2f} s: "
               f"{took / base:.1f}x; target <= 1.5 s")
@@ -124,9 +131,9 @@ def main() -> None:
         port = free_port()
         srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), Instant)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
-        n = 200
-        check = median_time(lambda: [supervise.health("127.0.0.1", port, "m") for _ in range(n)], 3) / n
-        raw = median_time(lambda: [raw_request(port) for _ in range(n)], 3) / n
+        rounds = 1 if a.quick else 3
+        check = median_time(lambda: [health("127.0.0.1", port, "m") for _ in range(n)], rounds) / n
+        raw = median_time(lambda: [raw_request(port) for _ in range(n)], rounds) / n
         srv.shutdown()
         print(f"(b) one health check against a server that answers at once: {check * 1000:.2f} ms; the same "
               f"request over a raw socket {raw * 1000:.2f} ms: {check / raw:.1f}x (the engine's own token excluded)")

@@ -1,14 +1,16 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["requests>=2.31", "tomli-w>=1.0", "psutil>=5.9"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
 # ///
 """The tree step on the real vLLM v0.30.0 sdist tree, against `git write-tree` of the same tree.
 
-  uv run benchmarks/tree_step.py [--patches 100] [--repeat 10]
+  uv run benchmarks/tree_step.py [--patches 100] [--repeat 10] [--quick]
 
 (a) re-run on a correct tree, in-process (target <= 0.3 s);
 (b) applying a series of N small patches (target <= 10 s for 100).
 Each figure is printed next to `git write-tree` on the same tree, measured in the same run.
+The sdist comes from the rig's cache (RIG_CACHE; FETCH=0: any run of the real build or tests puts it there).
+--quick: 3 patches, --repeat 1 (CI runs it so).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from timing import median_time, timed  # noqa: E402,F401 - benchmarks/timing.py
+from timing import median_time  # noqa: E402 - benchmarks/timing.py
 
-from rig import config  # noqa: E402
+from rig.config import settings  # noqa: E402
 from rig.gitutil import Git  # noqa: E402
-from rig.steps import pipeline  # noqa: E402
+from rig.steps.pipeline import Options, context  # noqa: E402
+from rig.steps.pipeline import run as run_steps  # noqa: E402
 from rig.steps.tree import TreeStep  # noqa: E402
 
 
@@ -59,7 +62,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--patches", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="3 patches, --repeat 1: the same code, in seconds")
     a = ap.parse_args()
+    if a.quick:
+        a.patches, a.repeat = min(a.patches, 3), 1
     tmp = Path(tempfile.mkdtemp(prefix="rig-bench-tree-"))
     try:
         patches = tmp / "patches"
@@ -67,9 +73,9 @@ def main() -> None:
         shutil.copy(ROOT / "patches" / "series.toml", patches / "series.toml")
         env = {**os.environ, "VLLM_SOURCE": "sdist", "VLLM_DIR": str(tmp / "vllm"),
                "PATCHES_DIR": str(patches), "RIG_STATE": str(tmp / "state"), "FETCH": "0"}
-        s = config.settings(env)
-        opts = pipeline.Options(accept=True)
-        quiet(lambda: pipeline.run([TreeStep()], s, opts))  # the bare base, accepted
+        s = settings(env)
+        opts = Options(accept=True)
+        quiet(lambda: run_steps([TreeStep()], s, opts))  # the bare base, accepted
         vllm = tmp / "vllm"
 
         def write_tree() -> None:
@@ -77,8 +83,8 @@ def main() -> None:
 
         base_wt = median_time(write_tree, a.repeat)
         # a fresh context each time: the record, series.toml and the patches are read as a real run reads them
-        rerun = median_time(lambda: TreeStep().check(pipeline.context(s)), a.repeat)
-        assert TreeStep().check(pipeline.context(s)).current
+        rerun = median_time(lambda: TreeStep().check(context(s)), a.repeat)
+        assert TreeStep().check(context(s)).current
         files = int(Git(vllm).out("ls-files", "--", ".").count("\n")) + 1
         print(f"real v0.30.0 sdist tree: {files} files")
         print(f"(a) re-run on a correct tree, in-process, median of {a.repeat}: {rerun:.3f} s"
@@ -86,7 +92,7 @@ def main() -> None:
 
         make_series(vllm, patches, a.patches)
         t0 = time.perf_counter()
-        quiet(lambda: pipeline.run([TreeStep()], s, opts))
+        quiet(lambda: run_steps([TreeStep()], s, opts))
         apply = time.perf_counter() - t0
         n = Git(vllm).out("rev-list", "--count", "v0.30.0..HEAD")
         base_wt2 = median_time(write_tree, a.repeat)
