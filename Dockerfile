@@ -69,21 +69,17 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     && ./build.sh --only tools,tree,venv,runtime,toolchain \
     && python3 -m rig.container target
 
-# Route 1: the rig's verify (standard library only) checks the tarball against this image's tree (OPS_OBJ),
-# ARCH, CPython, CUDA and torch, its files against the precompiled kernels' list kept beside the series
-# (patches/precompiled/), and every file's sha256, before it installs anything; a tarball from
-# another tree stops the build naming the item. The kernels are then recorded as the ops step's products
-# and vllm is installed editable without a compile. An empty `ops` context leaves the kernels to route 2.
+# Route 1: the rig's verify (standard library only) computes this image's kernel target and checks the tarball
+# against it in one process: its tree (OPS_OBJ), ARCH, CPython, CUDA and torch, its files against the
+# precompiled kernels' list kept beside the series (patches/precompiled/), and every file's sha256, before it
+# installs anything; a tarball from another tree stops the build naming the item. The kernels are then recorded
+# as the ops step's products and vllm is installed editable without a compile. An empty `ops` context leaves
+# the kernels to route 2.
 RUN --mount=type=bind,from=ops,target=/ops \
     --mount=type=cache,target=/root/.cache/uv \
     if [ -z "$(find /ops -mindepth 1 -maxdepth 1 -print -quit)" ]; then \
         echo "route 2: the ops context is empty, so ./build.sh makes the kernels"; exit 0; fi \
-    && EXPECT="$(python3 -m rig.container fact expect)" \
-    && python3 -m rig.artifacts verify --artifacts /ops --dest "$VLLM_DIR" ${EXPECT:+--expect "$EXPECT"} \
-        --device "$(python3 -m rig.container fact device)" \
-        --ops-obj "$(python3 -m rig.container fact ops_obj)" --arch "$ARCH" \
-        --python "$(python3 -m rig.container fact python)" --cuda "$(python3 -m rig.container fact cuda)" \
-        --torch "$(python3 -m rig.container fact torch)" \
+    && python3 -m rig.container verify --artifacts /ops \
     && uv run --no-project --with-editable . python3 -m rig.container adopt --artifacts /ops
 
 # Both routes: ./build.sh. After route 1 the ops step is current; route 2 makes the kernels here, compiled

@@ -20,9 +20,9 @@ WORK = {"venv_backend": "none", "default": False}
 
 
 def _rig(session: nox.Session, command: str) -> None:
-    from rig import cli
+    from rig import cli  # after nox has put the repository on sys.path
 
-    code = getattr(cli, command)(session.posargs)
+    code = cli.run(command, session.posargs)
     if code:
         sys.exit(code)  # keep the rig's exit status (2: bad input) instead of nox's 1
 

@@ -9,22 +9,21 @@ the old complete set or nothing a later run trusts):
 * ``ops.sha256``: one sha256 per file, the format ``sha256sum -c`` reads;
 * ``manifest.toml``: what the kernels were built for.
 
-``verify`` (rig/verify.py) checks a tarball against what this tree needs
-and installs it, all or nothing.
-
-  python3 -m rig.artifacts verify --help
+``verify`` (rig/verify.py) reads them with the readers here, checks a tarball
+against what this tree needs and installs it, all or nothing; the readers and
+the target check run on the standard library alone, as the container's verify
+does.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
+import gzip
 import os
 import posixpath
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
 import tomllib
@@ -33,8 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from rig.console import INDENT, guard
-from rig.errors import BadInput, WorkFailed
+from rig.console import say
+from rig.errors import BadInput, WorkFailed, problem
 from rig.hashing import sha256_file
 
 MANIFEST = "manifest.toml"
@@ -45,6 +44,7 @@ REQUIRED = ("device", "ops_obj", "tree", "route", "arch", "python", "cuda", "tor
 COUNTS = ("files", "bytes")  # the manifest's integer fields
 SUM_LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
 ZSTD_LEVEL = "3"
+REPACK = "pack again with nox -s pack (the file was edited, or is not the rig's)"
 
 
 class Refused(BadInput):
@@ -57,19 +57,20 @@ def read_sums(path: Path) -> dict[str, str]:
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        raise Refused(f"{path}: the sha256 list is missing. Fix: copy the whole artifacts/ folder") from None
+        raise Refused(problem(f"{path}", "the sha256 list", "no such file", "copy the whole artifacts/ folder")
+                      ) from None
     for n, line in enumerate(lines, 1):
         m = SUM_LINE.match(line)
-        if not m or not _clean(m[2]):
-            raise Refused(f"{path}:{n}: expected '<sha256>  <relative path>', found {line[:80]!r}")
+        if not m or not clean_name(m[2]):
+            raise Refused(problem(f"{path}:{n}", "'<sha256>  <relative path>'", repr(line[:80]), REPACK))
         if m[2] in sums:
-            raise Refused(f"{path}:{n}: {m[2]} is listed twice")
+            raise Refused(problem(f"{path}:{n}", "each file listed once", f"{m[2]} listed twice", REPACK))
         sums[m[2]] = m[1]
     return sums
 
 
-def _clean(name: str) -> bool:
-    """A relative, normalised name with no '..' and no odd characters."""
+def clean_name(name: str) -> bool:
+    """A relative, normalised name with no '..' and no odd characters: what a list or a tarball may name."""
     return (bool(name) and not name.startswith("/") and "\\" not in name and "\0" not in name
             and posixpath.normpath(name) == name and not any(p in ("..", ".") for p in name.split("/")))
 
@@ -78,19 +79,19 @@ def read_manifest(path: Path) -> dict:
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise Refused(f"{path}: the manifest is missing. Fix: copy the whole artifacts/ folder") from None
+        raise Refused(problem(f"{path}", "the manifest", "no such file", "copy the whole artifacts/ folder")
+                      ) from None
     except tomllib.TOMLDecodeError as exc:
-        raise Refused(f"{path}: not valid TOML ({exc})") from None
+        raise Refused(problem(f"{path}", "valid TOML", f"a syntax error ({exc})", REPACK)) from None
     for key in REQUIRED:
         if key not in data:
-            raise Refused(f"{path}: field '{key}' is missing (expected one of the fields nox -s pack writes)")
+            raise Refused(problem(f"{path}", f"the field '{key}' (nox -s pack writes it)", "none", REPACK))
         kind = int if key in COUNTS else str
         if not isinstance(data[key], kind) or isinstance(data[key], bool):
-            raise Refused(f"{path}: field '{key}': expected a {kind.__name__}, found {data[key]!r}. Fix: pack again "
-                          "with nox -s pack (the manifest was edited, or is not the rig's)")
+            raise Refused(problem(f"{path}: field '{key}'", f"a {kind.__name__}", repr(data[key]), REPACK))
     if data["files"] < 1 or data["bytes"] < 1:
-        raise Refused(f"{path}: expected at least one kernel file, found files = {data['files']}, bytes = "
-                      f"{data['bytes']}. Fix: pack again from a build (./build.sh), not from an empty tree")
+        raise Refused(problem(f"{path}", "at least one kernel file", f"files = {data['files']}, bytes = "
+                              f"{data['bytes']}", "pack again from a build (./build.sh), not from an empty tree"))
     return data
 
 
@@ -116,7 +117,8 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
     out.mkdir(parents=True, exist_ok=True)
     zstd = shutil.which("zstd") if compression in (None, "zstd") else None
     if compression == "zstd" and not zstd:
-        raise WorkFailed("packing with zstd needs the zstd program. Fix: apt-get install -y zstd")
+        raise WorkFailed(problem("the zstd program", "on PATH (packing with zstd needs it)", "not found",
+                                 "apt-get install -y zstd"))
     tar_name = TARBALLS[0] if zstd else TARBALLS[1]
     tmp_tar = out / f".{tar_name}.{os.getpid()}.tmp"
     start = time.monotonic()
@@ -133,7 +135,7 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
                 done += info.size
                 if progress and time.monotonic() - last > 2:
                     last = time.monotonic()
-                    print(f"{INDENT}packing: {done / 1e6:.0f} / {total / 1e6:.0f} MB", file=sys.stderr, flush=True)
+                    say(f"packing: {done / 1e6:.0f} / {total / 1e6:.0f} MB", err=True)
         tar_sha = sha256_file(tmp_tar)
         manifest = {**facts, "files": len(names), "bytes": total, "date": dt.date.today().isoformat(),
                     "glibc": os.confstr("CS_GNU_LIBC_VERSION").split()[-1], "tarball": tar_name,
@@ -154,8 +156,8 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
             p.unlink(missing_ok=True)
     if progress:
         size = (out / tar_name).stat().st_size
-        print(f"{INDENT}packed {len(names)} files, {total / 1e6:.0f} MB into {out / tar_name} "
-              f"({size / 1e6:.0f} MB, {time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
+        say(f"packed {len(names)} files, {total / 1e6:.0f} MB into {out / tar_name} "
+            f"({size / 1e6:.0f} MB, {time.monotonic() - start:.1f} s)", err=True)
     return manifest
 
 
@@ -163,7 +165,6 @@ def pack(vllm_dir: Path, out: Path, facts: dict, progress: bool = True, compress
 def _compressor(dest: Path, zstd: str | None) -> Iterator[IO[bytes]]:
     """A binary stream that lands compressed in ``dest``: zstd on all cores, else gzip."""
     if not zstd:
-        import gzip
         with gzip.open(dest, "wb", compresslevel=6) as fh:
             yield fh
         return
@@ -175,7 +176,8 @@ def _compressor(dest: Path, zstd: str | None) -> Iterator[IO[bytes]]:
         finally:
             proc.stdin.close()
             if proc.wait() != 0:
-                raise WorkFailed(f"zstd failed (exit {proc.returncode}) while writing {dest}")
+                raise WorkFailed(problem(f"zstd writing {dest}", "exit 0", f"exit {proc.returncode}",
+                                         "check the free space there, then pack again"))
 
 
 def current(out: Path, facts: dict, sums_text: str, rehash: bool = False,
@@ -191,7 +193,7 @@ def current(out: Path, facts: dict, sums_text: str, rehash: bool = False,
     try:
         m = read_manifest(out / MANIFEST)
     except Refused as exc:
-        return str(exc).split(": ", 1)[-1]
+        return exc.message.split(": ", 1)[-1]  # what is wrong, without the path the caller names
     for key, want in facts.items():
         if m.get(key) != want:
             return f"the manifest is for {key} {m.get(key)!r}, the build is {want!r}"
@@ -214,47 +216,17 @@ def current(out: Path, facts: dict, sums_text: str, rehash: bool = False,
     return ""
 
 
-# -- verify ---------------------------------------------------------------------------------------------
-
-
-def check_target(manifest: dict, target: dict[str, str]) -> None:
-    """The manifest against what it is to be installed into; the first mismatch names the item."""
+def check_target(manifest: dict, target: dict[str, str | None]) -> None:
+    """The manifest against the target it is to be installed for; the first mismatch names the item. The
+    architectures are compared as sets: the tarball must hold every one the target needs."""
     for key, want in target.items():
         if want is None:
             continue
         found = manifest.get(key)
-        ok = archs(want) <= archs(str(found)) if key == "arch" else str(found) == str(want)
+        if key == "arch":
+            ok, expected = archs(want) <= archs(str(found)), f"architectures that include {want!r}"
+        else:
+            ok, expected = str(found) == str(want), repr(want)
         if not ok:
-            what = "the architectures it holds" if key == "arch" else key
-            raise Refused(f"{MANIFEST}: {what}: the target needs {want!r}, the tarball has {found!r}. "
-                          "Fix: pack again for this target (./build.sh), or build with the compile route")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m rig.artifacts", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="check a kernels tarball against a target and install it")
-    v.add_argument("--artifacts", type=Path, required=True, help="the folder with manifest.toml, ops.sha256, ops.tar.*")
-    v.add_argument("--dest", type=Path, required=True, help="the source tree to install the kernels into")
-    v.add_argument("--expect", type=Path, help="this tree's kernels: the ops step's record (vllm/.build-products) "
-                   "or the precompiled route's list (patches/precompiled-<device>.list); the tarball must hold "
-                   "exactly these files")
-    for key in ("device", "ops-obj", "tree", "route", "arch", "python", "cuda", "torch"):
-        v.add_argument(f"--{key}", help=f"the target's {key} (checked against the manifest)")
-    a = ap.parse_args(argv)
-    target = {"device": a.device, "ops_obj": a.ops_obj, "tree": a.tree, "route": a.route, "arch": a.arch,
-              "python": a.python, "cuda": a.cuda, "torch": a.torch}
-
-    def go() -> int:
-        from rig import verify
-
-        expected = verify.read_expected(a.expect) if a.expect else None
-        n, against = verify.verify(a.artifacts, a.dest, target, expected, say=print)
-        print(f"verified and installed {n} files into {a.dest}; the file set checked against {against}")
-        return 0
-
-    return guard(go)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+            raise Refused(problem(f"{MANIFEST}: {key}", f"{expected} (the target's)", f"{found!r}",
+                                  "pack again for this target (./build.sh), or build with the compile route"))

@@ -10,12 +10,16 @@ PCIe link, power limit and P2P status of every card: what a bug report wants.
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
+from rig import cpuinfo
 from rig.config import Serve, Settings
 from rig.profiles import Box, Profile
 
@@ -56,7 +60,7 @@ class NoDriver(Exception):
 
 def read_nvml() -> Reading:
     """What NVML says about every card (in PCI bus order)."""
-    import pynvml as nv
+    import pynvml as nv  # slow to import (0.2 s), and only the CUDA build reads the cards
 
     try:
         nv.nvmlInit()
@@ -149,6 +153,13 @@ def visible(reading: Reading, spec: str) -> list[Gpu]:
     return [by_pos[i] for i in want if i in by_pos]
 
 
+def positions(reading: Reading, spec: str) -> list[int]:
+    """The cards ``CUDA_VISIBLE_DEVICES`` names, as positions in the reading (PCI bus order), like :func:`visible`:
+    the cards the free-GPU gate (rig/gpugate.py) waits for."""
+    at = {id(g): i for i, g in enumerate(reading.gpus)}
+    return [at[id(g)] for g in visible(reading, spec)]
+
+
 def gpu_checks(reading: Reading | None, s: Settings, profile: Box, why: str = "", gpu_wait: int = 0) -> list[Check]:
     """The card checks; ``gpu_wait`` > 0 (start with GPU_WAIT on): a busy card only warns, the free-GPU gate
     (rig/gpugate.py) waits for it before the engine starts."""
@@ -182,10 +193,6 @@ def gpu_checks(reading: Reading | None, s: Settings, profile: Box, why: str = ""
 
 
 def host_checks(s: Settings, p: Profile) -> list[Check]:
-    import os
-
-    import psutil
-
     profile = p.box
     out = []
     if profile.cores:
@@ -193,9 +200,7 @@ def host_checks(s: Settings, p: Profile) -> list[Check]:
         out.append(Check("CPU cores", "pass" if cores >= profile.cores else "fail", f">= {profile.cores}",
                          str(cores), f"run {p.name} on a box with more cores"))
     if profile.cpu_flags:
-        from rig.steps.tools import cpu_flags
-
-        lacking = [f for f in profile.cpu_flags if f not in cpu_flags()]
+        lacking = [f for f in profile.cpu_flags if f not in cpuinfo.flags()]
         out.append(Check("CPU flags", "fail" if lacking else "pass", " ".join(profile.cpu_flags),
                          f"missing {' '.join(lacking)}" if lacking else "present",
                          f"serve {p.name} on a CPU with {' '.join(lacking)}"))
@@ -314,8 +319,9 @@ def report(reading: Reading | None) -> list[str]:
     return lines
 
 
-def doctor(s: Settings, p: Profile, v: Serve | None = None) -> list[str]:
-    """Every check and fact as lines; a box with no driver says so in one line and reports the rest."""
+def doctor(s: Settings, p: Profile, v: Serve | None = None, more: Sequence[Check] = ()) -> list[str]:
+    """Every check and fact as lines; a box with no driver says so in one line and reports the rest. ``more``:
+    the checks of the layers above (a multi-node setting's, rig/nodes/client.py), counted with these."""
     out = [f"profile {p.name} ({p.path}): {p.description}; the {s.device} build"]
     reading = None
     if s.device != "cpu":
@@ -326,10 +332,7 @@ def doctor(s: Settings, p: Profile, v: Serve | None = None) -> list[str]:
             out.append(f"no NVIDIA driver here: NVML could not be loaded ({exc}); the GPU checks are skipped")
     checks = (gpu_checks(reading, s, p.box) if reading is not None else []) + host_checks(s, p)
     checks += series_checks(v) if v is not None else []
-    if v is not None and v.nodes > 1:
-        from rig import nodes
-
-        checks += nodes.doctor_checks(s, v)
+    checks += more
     out += [c.line() for c in checks]
     fails = sum(c.status == "fail" for c in checks)
     out.append(f"{len(checks)} checks: {fails} failed, {sum(c.status == 'warn' for c in checks)} warned")

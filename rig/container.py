@@ -1,13 +1,19 @@
-"""The container build's own commands, so the Dockerfile stays a list of calls into the rig.
+"""The image build's own commands: the Dockerfile runs them as ``python3 -m rig.container`` (so a ``__main__``).
 
-* ``fact NAME`` / ``target``: what a kernels tarball must have been built for, read from this
-  tree's build record and venv: OPS_OBJ, CPython minor, CUDA major, torch. Standard library
-  only, like the ``python3 -m rig.artifacts verify`` they feed.
-* ``adopt --artifacts DIR``: after verify has installed the kernels of ``artifacts/`` into the
-  tree, record them as the ops step's products and install vllm editable without compiling, so
+The Dockerfile stays a list of calls into the rig:
+
+* ``target``: what a kernels tarball must have been built for (rig/kernels/target.py), read
+  from this tree's build record and venv: device, OPS_OBJ, architectures, CPython minor, CUDA
+  major, torch, and the list of this tree's kernels. Standard library only.
+* ``verify --artifacts DIR``: that target, and the tarball of ``DIR`` checked against it and
+  installed into the tree (rig/verify.py), in one process. Standard library only (plus the
+  ``zstd`` program), like everything this module imports: the image's python3 runs it before
+  the rig's dependencies are installed.
+* ``adopt --artifacts DIR``: after verify has installed the kernels of ``DIR`` into the tree,
+  record them as the ops step's products and install vllm editable without compiling, so
   ``./build.sh`` then finds the ops step current and runs only the install step's import check.
-  It needs the rig's dependencies: ``uv run --no-project --with-editable . python3 -m rig.container
-  adopt ...``.
+  It writes TOML, so it needs the rig's dependencies: ``uv run --no-project --with-editable .
+  python3 -m rig.container adopt ...``.
 
   python3 -m rig.container --help
 """
@@ -17,35 +23,34 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rig import config
-from rig.console import guard, say
+from rig import artifacts, config, products, record, series, venvs, verify
+from rig.console import guard, plain, say
 from rig.errors import BadInput, WorkFailed, problem
+from rig.kernels import pip, route, target
 
-FACTS = ("device", "ops_obj", "arch", "python", "cuda", "torch", "expect")
+
+def show(s: config.Settings) -> dict[str, str]:
+    """The target as the ``target`` command prints it: its facts, and ``expect``, where this tree's kernels are
+    listed (empty when none is known)."""
+    kt = target.of_build(s, record.load(s.state_dir, s.device))
+    return {**kt.facts(), "expect": kt.expected.source if kt.expected else ""}
 
 
-def target(s: config.Settings) -> dict[str, str]:
-    """The target verify checks a tarball against: this tree, this venv, ``ARCH`` (rig/kernels/target.py), and
-    ``expect``, the list of this tree's kernels the tarball must hold (empty when none is known)."""
-    from rig import record
-    from rig.kernels.target import expected, of_build
-
-    rec = record.load(s.state_dir, s.device)
-    return {**of_build(s, rec).as_dict(), "expect": str(expected(s, rec) or "")}
+def verify_tarball(s: config.Settings, artifacts_dir: Path) -> int:
+    """Check the tarball of ``artifacts_dir`` against this tree's target and install it into the tree."""
+    kt = target.of_build(s, record.load(s.state_dir, s.device))
+    n, against = verify.verify(artifacts_dir, kt.vllm_dir, kt.checks(), kt.expected, say=say)
+    plain(f"verified and installed {n} files into {kt.vllm_dir}; the file set checked against {against}")
+    return n
 
 
 def adopt(s: config.Settings, artifacts_dir: Path) -> int:
     """Record the verified kernels as the ops step's products and install vllm without compiling."""
-    from rig import artifacts, products, venvs
-    from rig.kernels import pip, route
-    from rig.steps import pipeline
-
     manifest = artifacts.read_manifest(artifacts_dir / artifacts.MANIFEST)
     listed = artifacts.read_sums(artifacts_dir / artifacts.SUMS)
-    ctx = pipeline.context(s)
-    rec = ctx.record
+    rec = record.load(s.state_dir, s.device)
     # The facts the ops step itself compares, so that it finds these kernels current.
-    facts, way, why = route.facts(s, rec, ctx.series)
+    facts, way, why = route.facts(s, rec, series.load(s.patches_dir))
     if manifest["route"] != way:
         raise BadInput(problem(f"{artifacts_dir / artifacts.MANIFEST}: route", f"{way!r} ({why})",
                                repr(manifest["route"]), f"build the image with --build-arg "
@@ -54,7 +59,8 @@ def adopt(s: config.Settings, artifacts_dir: Path) -> int:
     pip.install(s, rec, "none", facts["version"], None, "editable install")
     version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
     if wrong:
-        raise WorkFailed(f"after the editable install: {wrong}. Fix: remove {s.venv_dir} and build again")
+        raise WorkFailed(problem(f"vllm in {s.venv_dir} after the editable install", f"vllm {facts['version']} "
+                                 f"from {s.vllm_dir}", wrong, f"remove {s.venv_dir} and build again"))
     got = products.collect(s.vllm_dir, {**facts, "log": "", "from_artifacts": manifest["tarball_sha256"]})
     extra = sorted(set(got.files) - set(listed))
     missing = sorted(set(listed) - set(got.files))
@@ -63,8 +69,8 @@ def adopt(s: config.Settings, artifacts_dir: Path) -> int:
         first = (f"{extra[0]} is in the tree but not in {artifacts.SUMS}" if extra else
                  f"{missing[0]} is in {artifacts.SUMS} but not in the tree" if missing else
                  f"{changed[0]} differs from {artifacts.SUMS}")
-        raise BadInput(f"{s.vllm_dir}: the products are not the verified kernels: {first}. Fix: build from a "
-                       "fresh tree (nothing but verify may add files under vllm/vllm/)")
+        raise BadInput(problem(f"{s.vllm_dir}: the products", "the verified kernels", first, "build from a fresh "
+                               "tree (nothing but verify may add files under vllm/vllm/)"))
     products.write(s.vllm_dir, got)
     say(f"adopted {len(got.files)} verified products for OPS_OBJ {facts['ops_obj'][:12]} ({way}), "
         f"recorded in {s.vllm_dir / products.RECORD}; vllm {version} installed editable, nothing compiled")
@@ -72,22 +78,27 @@ def adopt(s: config.Settings, artifacts_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m rig.container", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m rig.container", description="The image build's own commands: "
+                                 "the kernel target, verify against it, and adopting the verified kernels.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("fact", help="one fact of the target verify checks a tarball against")
-    f.add_argument("name", choices=FACTS)
-    sub.add_parser("target", help="every fact of that target, one 'name: value' a line")
+    sub.add_parser("target", help="the target verify checks a tarball against, one 'name: value' a line")
+    v = sub.add_parser("verify", help="check a kernels tarball against this tree's target and install it "
+                       "(standard library only)")
     a = sub.add_parser("adopt", help="record the verified kernels as the ops step's products (needs the rig's "
                        "dependencies)")
-    a.add_argument("--artifacts", type=Path, required=True, help="the folder verify checked (manifest, sums list)")
+    for p in (v, a):
+        p.add_argument("--artifacts", type=Path, required=True, help="the folder with manifest.toml, ops.sha256 "
+                       "and the tarball")
     args = ap.parse_args(argv)
+
     def go() -> int:
         s = config.settings()
         if args.cmd == "adopt":
             adopt(s, args.artifacts)
-            return 0
-        t = target(s)
-        print(t[args.name] if args.cmd == "fact" else "\n".join(f"{k}: {v}" for k, v in t.items()))
+        elif args.cmd == "verify":
+            verify_tarball(s, args.artifacts)
+        else:
+            plain("\n".join(f"{k}: {v}" for k, v in show(s).items()))
         return 0
 
     return guard(go)

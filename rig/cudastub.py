@@ -1,7 +1,7 @@
-"""A link-time stand-in for the NVIDIA driver library, ``libcuda.so.1``.
+"""A link-time stand-in for ``libcuda.so.1``; scripts/gen-cuda-stub.sh runs it (``python3 -m``: so a ``__main__``).
 
-vLLM's kernels link ``CUDA::cuda_driver``. A build box or container with no
-driver has no ``libcuda.so.1``, and the CUDA wheels ship no stub for it, so
+vLLM's kernels link ``CUDA::cuda_driver``, the NVIDIA driver library. A build
+box or container with no driver has no ``libcuda.so.1``, and the CUDA wheels ship no stub for it, so
 CMake stops. This module reads the toolkit's ``cuda.h``, collects every
 ``cu*`` entry point it declares, plus the versioned names (``_v2``, ``_ptds``,
 ``_ptsz`` ...) its macros map them to, and compiles a shared library with
@@ -15,13 +15,15 @@ the container build can run it: ``python3 -m rig.cudastub --help``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import subprocess
 import tempfile
 from pathlib import Path
 
-from rig.console import guard
+from rig import config
+from rig.console import guard, plain
 from rig.errors import BadInput, WorkFailed, problem
 
 DECL = re.compile(r"\bCUresult\s+CUDAAPI\b")
@@ -40,8 +42,6 @@ def _strip_comments(text: str) -> str:
 
 def driver_loadable() -> bool:
     """Whether the real driver library, ``libcuda.so.1``, can be loaded here."""
-    import ctypes
-
     try:
         ctypes.CDLL("libcuda.so.1")
         return True
@@ -98,7 +98,9 @@ def build(cuda_h: Path, out_dir: Path, cc: str = "cc") -> tuple[Path, int]:
         r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)],
                            capture_output=True, text=True)
         if r.returncode != 0:
-            raise WorkFailed(f"{cc} could not build the stub: {r.stderr.strip()[-400:]}")
+            raise WorkFailed(problem(f"{cc} building the driver stub", "a shared library libcuda.so.1",
+                                     f"exit {r.returncode}: {r.stderr.strip()[-400:]}", "install a working C "
+                                     "compiler (apt-get install -y build-essential), or point --cc (CC) at one"))
         os.replace(lib, out_dir / "libcuda.so.1")  # atomic: a half-written stub is never seen
     link = out_dir / "libcuda.so"
     tmp_link = out_dir / ".libcuda.so.tmp"
@@ -109,15 +111,17 @@ def build(cuda_h: Path, out_dir: Path, cc: str = "cc") -> tuple[Path, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gen-cuda-stub.sh", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="gen-cuda-stub.sh", description="A link-time stand-in for the NVIDIA "
+                                 "driver library, libcuda.so.1, from a toolkit's cuda.h.",
                                  epilog="Writes OUT/libcuda.so.1 and the link name OUT/libcuda.so.")
     ap.add_argument("--cuda-h", required=True, type=Path, help="the toolkit's include/cuda.h")
     ap.add_argument("--out", required=True, type=Path, help="the folder for the stub (on no loader path)")
-    ap.add_argument("--cc", default=os.environ.get("CC", "cc"), help="the C compiler (default: $CC or cc)")
+    ap.add_argument("--cc", help="the C compiler (default: CC, else cc)")
     a = ap.parse_args(argv)
+
     def go() -> int:
-        lib, n = build(a.cuda_h, a.out, a.cc)
-        print(f"{lib}: {n} entry points, {lib.stat().st_size / 1024:.0f} KB, soname libcuda.so.1")
+        lib, n = build(a.cuda_h, a.out, a.cc or config.settings().cc)
+        plain(f"{lib}: {n} entry points, {lib.stat().st_size / 1024:.0f} KB, soname libcuda.so.1")
         return 0
 
     return guard(go)

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from rig import prose
+from rig.errors import WorkFailed
+
 SEED = 1661
 VOCAB = 2048
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -37,11 +40,10 @@ MARK = ".rig-demo.json"  # written last: a folder without it is not trusted
 
 def make(out: Path) -> None:
     """Write the checkpoint into ``out`` (an empty folder). Runs in the serving venv."""
+    # The serving venv's own: the rig's Python, which imports this module to call ensure(), has none of them.
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from rig import prose
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -93,8 +95,6 @@ def ensure(python: Path, folder: Path, root: Path) -> tuple[bool, float]:
     """
     if ready(folder):
         return False, 0.0
-    from rig.errors import WorkFailed
-
     folder.parent.mkdir(parents=True, exist_ok=True)
     for stale in folder.parent.glob(f".{folder.name}.making-*"):
         shutil.rmtree(stale, ignore_errors=True)

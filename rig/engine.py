@@ -93,14 +93,15 @@ def node_args(v: Serve) -> list[str]:
 
 
 def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
-            net: dict[str, str] | None = None) -> Engine:
+            net: dict[str, str] | None = None, kv_cache_dtype: str | None = None) -> Engine:
     """The ``vllm serve`` argv and the environment the rig adds for it, from the profile and the settings
-    (``net``: the variables that pin this node's interface, rig/netif.py)."""
+    (``net``: the variables that pin this node's interface, rig/netif.py; ``kv_cache_dtype``: instead of the
+    profile's, when the plan found that this box cannot keep it)."""
     argv = [str(s.venv_dir / "bin" / "vllm"), "serve", str(s.ckpt),
             "--served-model-name", *v.names,
             "--host", s.host, "--port", str(s.port),
             *engine_args(t), *node_args(v),
-            "--kv-cache-dtype", p.kv_cache_dtype,
+            "--kv-cache-dtype", kv_cache_dtype or p.kv_cache_dtype,
             "--max-model-len", str(p.max_model_len),
             "--max-num-seqs", str(v.max_seqs),
             "--max-num-batched-tokens", str(v.max_batched_tokens)]

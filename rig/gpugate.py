@@ -5,13 +5,16 @@ engine is still letting go (a killed EngineCore, a systemd restart, ``./start.sh
 engine's leftovers) silently gets a smaller cache. So start waits, up to ``GPU_WAIT`` seconds with a line
 every 5 s, until every chosen card lists no compute process and its used memory is back to what an idle card
 shows; past that it fails (exit 1) naming what holds the cards. The logic takes the NVML reader, the clock and
-the sleep as arguments, so the tests drive it with recorded readings and a fake clock.
+the sleep as arguments, so the tests drive it with recorded readings and a fake clock. Which cards it waits
+for is the plan's (rig/serve.py, :func:`rig.box.positions`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+
+import psutil
 
 from rig import box
 from rig.console import say
@@ -28,8 +31,6 @@ GIB = 2**30
 
 def process(pid: int) -> str:
     """``pid N name``; NVML reports pids of the host, so one in another container is not visible here."""
-    import psutil
-
     try:
         return f"pid {pid} {psutil.Process(pid).name()}"
     except psutil.NoSuchProcess:
@@ -52,12 +53,6 @@ def describe(g: box.Gpu) -> str:
                       for pid in g.compute_processes)
     n = len(g.compute_processes)
     return f"{n} compute process{'es' if n > 1 else ''} ({procs}), {used}"
-
-
-def positions(reading: box.Reading, spec: str) -> list[int]:
-    """The cards ``CUDA_VISIBLE_DEVICES`` names, as positions in the reading (PCI bus order), like box.visible."""
-    at = {id(g): i for i, g in enumerate(reading.gpus)}
-    return [at[id(g)] for g in box.visible(reading, spec)]
 
 
 def _cards(reading: box.Reading, cards: Sequence[int]) -> list[tuple[int, box.Gpu]]:

@@ -1,13 +1,15 @@
-"""Run a command with its output appended to a log file that may be rotated under it.
+"""Run as a script on purpose (``logpump.py LOG -- CMD``): CMD's output appended to a log that may be rotated.
 
-``python -m rig.logpump LOG -- CMD ...`` starts CMD with its stdout and stderr on a pipe and
-appends every byte to LOG (O_APPEND). Before each write it checks that LOG still names the
+``python rig/logpump.py LOG -- CMD ...`` (how rig/supervise.py runs it) starts CMD with its stdout and stderr
+on a pipe and appends every byte to LOG (O_APPEND). Before each write it checks that LOG still names the
 file it has open; when logrotate has renamed it, it opens a new LOG. So rotation by rename loses
 nothing, where ``copytruncate`` loses what is written between the copy and the truncation.
 
 It ignores SIGTERM, SIGINT and SIGHUP (they are meant for CMD, which shares its process group):
 it keeps writing until CMD has exited and said its last lines, then exits with CMD's status.
-Standard library only: it starts before anything else of the engine.
+Standard library only, and no import of the rig: it runs before anything of the rig or the engine, as a script
+with no path to the repository (where the tree's folder vllm/ would shadow the installed package). So its one
+message, the usage line, is a plain ``print`` and not rig/console.py's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""vLLM's log, read as one coloured line per engine stats update (``./vllm-logs.sh``).
+"""vLLM's log: the engine's log file and its lines as the rig reads them, and ``./vllm-logs.sh``'s reader.
+
+The engine log (``LOG``) is appended to by rig/logpump.py; :func:`check_log` and :func:`open_log` are how the
+start checks and creates it, :class:`Lines` how the supervisor reads the engine's new lines while it starts
+(:func:`notable`: the ones worth showing), :func:`last_capacity` how status finds the KV cache line.
+
+The reader (``./vllm-logs.sh``, one coloured line per engine stats update):
 
 vLLM writes a stats line every ``VLLM_LOG_STATS_INTERVAL`` seconds while the
 engine is busy, and a SpecDecoding line right after it when speculative
@@ -14,16 +20,20 @@ file with ``-f``, followed across rotation (renamed or truncated).
 from __future__ import annotations
 
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from rig.config import Settings
+from rig.console import echo, plain, warn
 from rig.errors import BadInput, problem
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -52,6 +62,10 @@ SPEC_LEN = re.compile(r"Mean acceptance length: " + NUM)
 SPEC_RATE = re.compile(r"Avg Draft acceptance rate: " + NUM + "%")
 MARKS = re.compile("|".join(re.escape(x) for x in (STATS_MARK, SPEC_MARK, "KV cache size", "WARNING", "ERROR",
                                                    "CRITICAL")))
+#: Milestones of a vLLM start worth showing while waiting (besides the capacity line, warnings, errors).
+MILESTONES = re.compile(r"Loading weights took|Model loading took|torch\.compile takes|Capturing CUDA graphs|"
+                        r"Graph capturing finished|init engine .* took|Starting vLLM API server|"
+                        r"Application startup complete|Traceback \(most recent call last\)")
 
 
 @dataclass
@@ -277,15 +291,15 @@ def docker_lines(container: str, since: str) -> Iterator[str]:
         proc = subprocess.Popen(["docker", "logs", "--since", since, container], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace")
     except FileNotFoundError:
-        raise BadInput(f"docker: not found; expected the docker client to read the container {container!r}. "
-                       "Fix: read the log file instead: ./vllm-logs.sh -f") from None
+        raise BadInput(problem("docker", f"the docker client, to read the container {container!r}", "not found",
+                               "read the log file instead: ./vllm-logs.sh -f")) from None
     assert proc.stdout
     first = True
     for line in proc.stdout:
         if first and ("No such container" in line or "Cannot connect to the Docker daemon" in line):
             proc.wait()
-            raise BadInput(f"container {container!r}: expected a running container, found: {line.strip()}. "
-                           "Fix: docker compose up -d, set VLLM_CONTAINER, or read the file: ./vllm-logs.sh -f")
+            raise BadInput(problem(f"container {container!r}", "a running container", line.strip(),
+                                   "docker compose up -d, set VLLM_CONTAINER, or read the file: ./vllm-logs.sh -f"))
         first = False
         yield line
     proc.wait()
@@ -293,7 +307,7 @@ def docker_lines(container: str, since: str) -> Iterator[str]:
 
 def show(s: Settings, follow_file: bool, lines: int | None, since: str, file: str | None) -> int:
     """``./vllm-logs.sh``: the stats lines of the log file (``-f`` follows it) or of the container."""
-    color = Palette(sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    color = Palette(sys.stdout.isatty() and not s.no_color)
     counts = {"stats": 0, "unparsed": 0}
     if follow_file or file:
         path = Path(file or s.log or "")
@@ -309,15 +323,95 @@ def show(s: Settings, follow_file: bool, lines: int | None, since: str, file: st
     try:
         events = (parse(x) if x is not None else None for x in raw)
         for out in lines_of(events, color, counts):
-            print(out, flush=True)
+            plain(out)
     except KeyboardInterrupt:  # the usual end of -f
         pass
     if counts["unparsed"]:
-        print(f"vllm-logs: {counts['unparsed']} stats line(s) could not be parsed", file=sys.stderr)
+        warn(f"vllm-logs: {counts['unparsed']} stats line(s) could not be parsed")
     return 0
 
 
-if __name__ == "__main__":
-    from rig import cli
+# -- the engine log on the start path, and what the supervisor and status read of it ----------------------------
 
-    raise SystemExit(cli.logs(sys.argv[1:]))
+
+def check_log(path: str) -> None:
+    """That LOG can be appended to by this user, without creating anything: what a dry run checks too."""
+    p = Path(path)
+    where = p if p.exists() else next((a for a in p.parents if a.exists()), Path("/"))
+    blocked = p.is_dir() or (where != p and not where.is_dir())
+    if blocked or not os.access(where, os.W_OK):
+        found = ("a folder" if p.is_dir() else f"{where}, which is not a folder" if blocked
+                 else f"{where} is not writable by uid {os.geteuid()}")
+        raise BadInput(problem("LOG", f"a file this user can append to ({path})", found,
+                               "run with sudo, set LOG=/a/writable/path, or LOG= to keep the output on the "
+                               "terminal"))
+
+
+def open_log(path: str) -> IO[bytes]:
+    """The engine log, appended to (O_APPEND: safe beside rotation), created 0640: it can hold prompts."""
+    check_log(path)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640), "ab", buffering=0)
+    except OSError as exc:
+        raise BadInput(problem("LOG", f"a file this user can append to ({path})", exc.strerror or str(exc),
+                               "run with sudo, set LOG=/a/writable/path, or LOG= to keep the output on the "
+                               "terminal")) from None
+
+
+class Lines:
+    """New lines of the engine's output: from the log file (tailed) or from a pipe (passed on to stdout)."""
+
+    def __init__(self, log: Path | None, offset: int, pipe: IO[bytes] | None) -> None:
+        self.q: queue.Queue[str] = queue.Queue()
+        self.tail: deque[str] = deque(maxlen=30)
+        self._log, self._offset, self._buf = log, offset, b""
+        if pipe is not None:
+            threading.Thread(target=self._copy, args=(pipe,), daemon=True).start()
+
+    def _copy(self, pipe: IO[bytes]) -> None:
+        for raw in iter(pipe.readline, b""):
+            echo(raw)
+            self.q.put(raw.decode(errors="replace").rstrip("\r\n"))
+
+    def new(self) -> Iterator[str]:
+        if self._log is not None:
+            with open(self._log, "rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+            self._offset += len(chunk)
+            *whole, self._buf = (self._buf + chunk).split(b"\n")
+            for raw in whole:
+                self.q.put(raw.decode(errors="replace").rstrip("\r"))
+        while True:
+            try:
+                line = self.q.get_nowait()
+            except queue.Empty:
+                return
+            self.tail.append(line)
+            yield line
+
+
+def notable(line: str) -> tuple[str, str] | None:
+    """(kind, text) for a line worth showing while the engine starts."""
+    if m := CAPACITY.search(line):
+        return "capacity", m[0]
+    ev = parse(line)
+    if ev and ev.kind in ("warning", "error"):
+        return ev.kind, ev.text
+    if MILESTONES.search(line):
+        m = PREFIX.search(ANSI.sub("", line))
+        return "milestone", m[3] if m else line.strip()
+    return None
+
+
+def last_capacity(path: str) -> str:
+    """The last KV cache capacity line in the log's last 4 MiB ("" when there is none, or no log)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - (4 << 20)))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    found = list(CAPACITY.finditer(text))
+    return found[-1][0] if found else ""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from rig.console import warn
 from rig.errors import BadInput, problem
 
 
@@ -70,3 +71,10 @@ def private(address: str) -> bool:
     except ValueError:
         return False
     return ip.is_private or ip.is_loopback or ip.is_link_local
+
+
+def warn_if_public(address: str, what: str) -> None:
+    """A warning when ``address`` is not :func:`private`: the traffic between nodes is unencrypted."""
+    if not private(address):
+        warn(f"{what} {address} is not a private address: the traffic between nodes is unencrypted and can run "
+             "code (vLLM's own docs say so); keep it on a private network, or firewall the ports")

@@ -15,14 +15,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomli_w
-
 from rig import atomic, config, series, worktree
-from rig.console import INDENT, say, warn
+from rig.buildlock import BuildLock
+from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
 from rig.kernels import route
-from rig.steps.pipeline import BuildLock, Context
+from rig.steps.base import Context
 
 #: A commit message "says why" when its body has at least this many words.
 WHY_WORDS = 8
@@ -137,14 +136,15 @@ def check(ctx: Context) -> int:
         worktree.drop_scratch(built)
         shutil.rmtree(scratch.parent, ignore_errors=True)
     for r in reports:
-        print(f"{INDENT}{r.line()}", flush=True)
+        say(r.line())
     bad = [r for r in reports if r.result == "conflict"]
     compile_n = sum(r.forces_compile for r in reports)
     say(f"{len(reports)} patch(es) on {sr.tag} ({built.source}): {len(reports) - len(bad)} apply, "
         f"{compile_n} force a compile, {sum(not r.why for r in reports)} without a why")
     if bad:
-        raise WorkFailed(f"patch {bad[0].name} does not apply on {sr.tag}: {'; '.join(bad[0].problems)}. Fix: "
-                         "rebase it onto the series and re-export it with git format-patch")
+        raise WorkFailed(problem(f"patch {bad[0].name}", f"a clean apply on {sr.tag}", f"it does not apply: "
+                                 f"{'; '.join(bad[0].problems)}", "rebase it onto the series and re-export it with "
+                                 "git format-patch"))
     return 0
 
 
@@ -184,7 +184,7 @@ def rebase(ctx: Context, version: str, keep_going: bool, out: Path | None) -> in
     try:
         reports = walk(built.repo, files, target, three_way=True, keep_going=keep_going)
         for r in reports:
-            print(f"{INDENT}{r.line()}", flush=True)
+            say(r.line())
         ok = all(r.result in ("applies", "applies with 3-way") for r in reports)
         written = None
         if ok:
@@ -197,9 +197,9 @@ def rebase(ctx: Context, version: str, keep_going: bool, out: Path | None) -> in
     say(f"report: {report}")
     if not ok:
         bad = next(r for r in reports if r.result == "conflict")
-        raise WorkFailed(f"patch {bad.name} conflicts on v{ver}: {'; '.join(bad.problems)}; files "
-                         f"{', '.join(bad.files)}. Fix: rebase it by hand in a clone of v{ver}, or --keep-going to "
-                         "see the rest")
+        raise WorkFailed(problem(f"patch {bad.name}", f"an apply on v{ver} (a three-way merge at most)",
+                                 f"it conflicts on v{ver}: {'; '.join(bad.problems)}; files {', '.join(bad.files)}",
+                                 f"rebase it by hand in a clone of v{ver}, or --keep-going to see the rest"))
     say(f"the rebased series for v{ver} is in {written} (patches/ untouched); build it with PATCHES_DIR={written}")
     return 0
 
@@ -212,15 +212,9 @@ def _export(built: worktree.Built, files: list[Path], sr: series.Series, target:
     assert len(made) == len(files), (made, files)
     for new, old in zip(made, files, strict=True):
         new.rename(tmp / old.name)
-    data = {k: v for k, v in sr.data.items() if k != "expected"}
-    up = {k: v for k, v in data["upstream"].items() if k not in ("sdist_sha256", "wheel_sha256")}
-    up.update(version=target.version, tag=target.tag)
-    if built.source == "sdist":
-        up["sdist_sha256"] = built.origin.rsplit("sha256:", 1)[-1]
-    data["upstream"] = up
-    tree_id = built.repo.rev("HEAD^{tree}")
-    data["expected"] = {built.source: {"tree": tree_id, "verified": dt.date.today().isoformat()}}
-    atomic.write_text(tmp / "series.toml", series.HEADER + tomli_w.dumps(data))
+    sdist = built.origin.rsplit("sha256:", 1)[-1] if built.source == "sdist" else None
+    atomic.write_text(tmp / "series.toml", sr.rebased(target.version, target.tag, built.source,
+                                                      built.repo.rev("HEAD^{tree}"), sdist))
     if out.exists():
         out.rmdir()  # empty: checked before
     tmp.rename(out)
@@ -279,9 +273,10 @@ def new(ctx: Context, name: str) -> int:
             if built.tree != wanted:
                 for nm in names:
                     (s.patches_dir / nm).unlink(missing_ok=True)
-                raise WorkFailed(f"the rebuilt tree {built.tree} is not the tree of vllm/ HEAD {wanted}; the new "
-                                 "patches were removed again and vllm/ is untouched (a commit that git "
-                                 "format-patch cannot carry, such as a binary or mode-only change?)")
+                raise WorkFailed(problem("the tree the series rebuilds with the new patches", f"the tree of vllm/ "
+                                         f"HEAD {wanted}", f"{built.tree}; the new patches were removed again and "
+                                         "vllm/ is untouched", "look for a commit git format-patch cannot carry "
+                                         "(a binary or mode-only change) and make it a text change"))
             old = sr.expected.get(built.source)
             sr.accept(built.source, built.tree)
             new_rec = worktree.TreeRecord(built.source, built.origin, sr.tag, built.base, built.head, built.tree,

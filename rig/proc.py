@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
-from rig.console import INDENT, say
+from rig.console import quote, say
 
 Status = Callable[[float, list[str]], str]
 
@@ -45,7 +45,7 @@ def watch(cmd: list[str], *, status: Status, interval: float, env: Mapping[str, 
             if log:
                 log.write(line + "\n")
             if line.strip():
-                print(f"{INDENT}| {line}", flush=True)
+                quote(line)
         code = proc.wait()
     except BaseException:
         proc.terminate()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rig import atomic
-from rig.errors import WorkFailed
+from rig.errors import WorkFailed, problem
 from rig.gitutil import Git
 from rig.hashing import sha256_file
 
@@ -77,8 +77,9 @@ def write(vllm_dir: Path, rec: Record) -> None:
                           + _toml({"facts": rec.facts, "files": rec.files}))
     except OSError as exc:
         forget(vllm_dir)
-        raise WorkFailed(f"could not write the build record {vllm_dir / RECORD}: {exc.strerror or exc}. "
-                         "Fix: free disk space and run ./build.sh again (no partial record was kept)") from None
+        raise WorkFailed(problem(f"the build record {vllm_dir / RECORD}", "written", f"it could not be written: "
+                                 f"{exc.strerror or exc}", "free disk space and run ./build.sh again (no partial "
+                                 "record was kept)")) from None
 
 
 def forget(vllm_dir: Path) -> None:

@@ -3,7 +3,7 @@
 Ray left vLLM's requirements in 0.18, so the rig pins it apart: ``scripts/ray.lock`` (``nox -s lock`` makes it,
 constrained by the runtime lock, so the packages both need keep one version), installed hash-checked into the
 serving venv on each node that serves with Ray. Every node must run the same Ray: its version is part of what
-the head's registry compares (rig/nodes.py). Start order and stop ride on the registry like the mp path: the
+the head's registry compares (rig/nodes/). Start order and stop ride on the registry like the mp path: the
 head starts Ray first, the workers join when the head says go, and ``nox -s stop`` on the head ends every
 node's Ray through the workers' agents.
 """
@@ -14,32 +14,24 @@ import os
 import re
 import subprocess
 import time
-from pathlib import Path
 
+import psutil
+
+from rig import uv, venvs
 from rig.config import Serve, Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
-
-#: the one pin of Ray: scripts/ray.in and scripts/ray.lock are made from it
-RAY = "ray==2.60.0"
-
-
-def lock_path(s: Settings) -> Path:
-    return s.runtime_lock.with_name("ray.lock")
+from rig.steps.runtime import RAY, install, read_lock
+from rig.steps.runtime import ray_lock_path as lock_path
 
 
 def version(s: Settings) -> str:
     """The Ray installed in the serving venv, or 'none'."""
-    from rig import venvs
-
     return venvs.installed(s.venv_dir).get("ray", "none")
 
 
 def ensure(s: Settings) -> None:
     """Install ``scripts/ray.lock`` into the serving venv when its Ray is not there (hash-checked, no deps)."""
-    from rig import uv
-    from rig.steps.runtime import install, read_lock
-
     want = RAY.split("==", 1)[1]
     if version(s) == want:
         return
@@ -49,7 +41,8 @@ def ensure(s: Settings) -> None:
     say(f"ray: installing {RAY} from {path.name} into {s.venv_dir} (hash-checked)")
     install(s, uv.resolve(s), read_lock(path), reinstall=[])
     if version(s) != want:
-        raise WorkFailed(f"ray {want} is still not in {s.venv_dir} after the install of {path}")
+        raise WorkFailed(problem(f"Ray in {s.venv_dir}", f"{want} after the install of {path}", version(s),
+                                 f"remove {s.venv_dir} and run ./build.sh, then start again"))
 
 
 def _ray(s: Settings, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -61,14 +54,18 @@ def start_head(s: Settings, v: Serve, address: str) -> None:
     r = _ray(s, "start", "--head", "--port", str(v.head_port), "--node-ip-address", address,
              "--disable-usage-stats")
     if r.returncode != 0:
-        raise WorkFailed(f"ray start --head on {address}:{v.head_port} failed: {(r.stderr or r.stdout)[-800:]}")
+        raise WorkFailed(problem(f"ray start --head on {address}:{v.head_port}", "exit 0",
+                                 f"exit {r.returncode}: {(r.stderr or r.stdout)[-800:]}",
+                                 "free HEAD_PORT (or set another on every node), then start again"))
     say(f"ray: head started on {address}:{v.head_port} (Ray {version(s)})")
 
 
 def join(s: Settings, v: Serve, address: str) -> None:
     r = _ray(s, "start", "--address", f"{v.head_addr}:{v.head_port}", "--node-ip-address", address)
     if r.returncode != 0:
-        raise WorkFailed(f"ray start --address {v.head_addr}:{v.head_port} failed: {(r.stderr or r.stdout)[-800:]}")
+        raise WorkFailed(problem(f"ray start --address {v.head_addr}:{v.head_port}", "exit 0",
+                                 f"exit {r.returncode}: {(r.stderr or r.stdout)[-800:]}",
+                                 "check that the head's Ray is up (nox -s ray -- status on the head) and reachable"))
     say(f"ray: this node ({address}) joined the cluster at {v.head_addr}:{v.head_port}")
 
 
@@ -89,14 +86,15 @@ def wait_for_nodes(s: Settings, v: Serve) -> None:
             say(f"ray: {n} nodes active in {time.monotonic() - t0:.0f} s (ray status)")
             return
         if time.monotonic() - t0 > v.start_timeout:
-            raise WorkFailed(f"ray status lists {n} of {v.nodes} nodes after START_TIMEOUT={v.start_timeout} s")
+            found = f"{n} in ray status" if n is not None else "no answer from ray status"
+            raise WorkFailed(problem("the Ray cluster", f"{v.nodes} active nodes (NODES) within START_TIMEOUT="
+                                     f"{v.start_timeout} s", found, "start the workers that are missing, and check "
+                                     "that they reach HEAD_ADDR:HEAD_PORT"))
         time.sleep(1)
 
 
 def running() -> bool:
     """Whether a raylet runs on this machine (one node's part of the cluster)."""
-    import psutil
-
     return any(p.info["name"] == "raylet" for p in psutil.process_iter(["name"]))
 
 

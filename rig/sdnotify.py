@@ -1,9 +1,10 @@
-"""systemd's readiness protocol (``sd_notify``), standard library only: a datagram to ``$NOTIFY_SOCKET``.
+"""systemd's readiness protocol (``sd_notify``), with the standard library: a datagram to ``$NOTIFY_SOCKET``.
 
 The unit is ``Type=notify``: systemd counts the service as started when the foreground supervisor sends
 ``READY=1``, which it does once a one-token generation answered, so ``TimeoutStartSec`` bounds the real
 start. ``STATUS=`` lines show in ``systemctl status``. Outside systemd (no ``NOTIFY_SOCKET``) every call is a
 no-op. The engine never gets the variable (:func:`engine_env`): only the supervisor may say the service is ready.
+``NOTIFY_SOCKET`` is systemd's to set, not a setting of the rig, so it is read here and not in rig/config.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+
+from rig.console import warn
 
 VAR = "NOTIFY_SOCKET"
 _failed: list[str] = []  # the first failure, said once: a broken socket must not flood the journal
@@ -27,8 +30,6 @@ def notify(*fields: str, env: Mapping[str, str] | None = None) -> bool:
             sock.sendto("\n".join(fields).encode(), target)
     except OSError as exc:
         if not _failed:
-            from rig.console import warn
-
             _failed.append(str(exc))
             warn(f"could not tell systemd ({VAR}={addr}): {exc}; a Type=notify unit then times out at "
                  "TimeoutStartSec")

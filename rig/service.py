@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tomli_w
 
-from rig import REPO_ROOT, atomic, config
+from rig import REPO_ROOT, atomic, config, profiles
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.hashing import sha256_file
@@ -61,8 +61,6 @@ def render_env(profile: str = "reference", node_rank: int | None = None) -> str:
     """The service's environment file: every service variable as a commented default, and the one value the
     service sets differently from start.sh: the profile's service name (and this node's rank, for a node of a
     multi-node engine: NODES and HEAD_ADDR are then to be set, the same on every node)."""
-    from rig import profiles
-
     env_set = {"PROFILE": profile, "MODEL_NAME": profiles.load(profile).service_name}
     if node_rank is not None:
         env_set["NODE_RANK"] = str(node_rank)
@@ -189,7 +187,7 @@ VERBS = ("install", "start", "stop", "status", "update", "logs", "uninstall")
 
 def run(s: config.Settings, verb: str, root: str | None, lines: int, node_rank: int | None = None) -> int:
     """``scripts/install-as-service.sh VERB``; ``root``: a prefix instead of / (else DESTDIR, else /)."""
-    prefix = Path(root or os.environ.get("DESTDIR", "").strip() or "/").resolve()
+    prefix = Path(root or s.destdir).resolve()
     t = Target(prefix, REPO_ROOT, s.log or TEMPLATE_LOG)
     if verb == "install":
         return install(t, node_rank)

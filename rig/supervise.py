@@ -3,8 +3,9 @@
 The engine runs in its own session (so its process group holds the API server, EngineCore
 and the workers), with a pid file (``RIG_STATE/engine.toml``) naming the group. Healthy means
 a one-token chat completion succeeded: ``/v1/models`` is a static list that answers 200 while
-the engine is dead. Stop is SIGTERM to the whole group, a wait, SIGKILL, and then a check
-that no process of it is left: vLLM's EngineCore and workers outlive a SIGKILL of the server.
+the engine is dead. Stop (:func:`stop`, what ``nox -s stop`` and a worker's agent run) is SIGTERM
+to the whole group, a wait, SIGKILL, and then a check that no process of it is left: vLLM's
+EngineCore and workers outlive a SIGKILL of the server.
 """
 
 from __future__ import annotations
@@ -12,33 +13,28 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 import tomllib
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+import psutil
 import tomli_w
 
 from rig import REPO_ROOT, atomic, logs, sdnotify, watchdog
 from rig.config import Serve, Settings
-from rig.console import INDENT, error, say, warn
+from rig.console import error, quote, say, warn
 from rig.engine import Engine
 from rig.errors import BadInput, WorkFailed, problem
 from rig.health import connect_host, health, port_open
+from rig.proc import alive
 
-#: Milestones of a vLLM start worth showing while waiting (besides the capacity line, warnings, errors).
-MILESTONES = re.compile(r"Loading weights took|Model loading took|torch\.compile takes|Capturing CUDA graphs|"
-                        r"Graph capturing finished|init engine .* took|Starting vLLM API server|"
-                        r"Application startup complete|Traceback \(most recent call last\)")
 HEARTBEAT = 15.0  # seconds between "still waiting" lines
 POLL = 0.25
 #: Seconds between one-token requests once the port is open: a probe costs about 10 ms of the engine's time
@@ -74,8 +70,6 @@ def pid_path(s: Settings) -> Path:
 
 def load(s: Settings) -> Record | None:
     """The pid file's record if its process still runs; a stale file is removed."""
-    import psutil
-
     path = pid_path(s)
     try:
         data = tomllib.loads(path.read_text())
@@ -101,8 +95,6 @@ def server_alive(rec: Record) -> bool:
     """Whether the engine's API server still runs. The group leader is not proof: the log writer outlives a
     killed server while EngineCore keeps its output pipe open, so the server is found by its command line
     (``serve CKPT``) among the group's members; EngineCore and the workers rename themselves ``VLLM::...``."""
-    import psutil
-
     if not rec.ckpt:  # a record of an older rig: the leader is all it knows
         try:
             return abs(psutil.Process(rec.pid).create_time() - rec.create_time) < 1.0
@@ -121,8 +113,6 @@ def server_alive(rec: Record) -> bool:
 
 def leftovers(rec: Record) -> str:
     """The engine processes left in the group of a dead server, as ``pid (name)`` for a message."""
-    import psutil
-
     names = []
     for pid in group_members(rec.pgid):
         try:
@@ -139,8 +129,6 @@ def save(s: Settings, rec: Record) -> None:
 
 def group_members(pgid: int) -> list[int]:
     """Every live process in the process group (zombies excluded: they hold nothing)."""
-    import psutil
-
     out = []
     for p in psutil.process_iter(["pid", "status"]):
         try:
@@ -151,88 +139,17 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-class _Lines:
-    """New lines of the engine's output: from the log file (tailed) or from a pipe (copied to stdout)."""
-
-    def __init__(self, log: Path | None, offset: int, pipe: IO[bytes] | None) -> None:
-        self.q: queue.Queue[str] = queue.Queue()
-        self.tail: deque[str] = deque(maxlen=30)
-        self._log, self._offset, self._buf = log, offset, b""
-        if pipe is not None:
-            threading.Thread(target=self._copy, args=(pipe,), daemon=True).start()
-
-    def _copy(self, pipe: IO[bytes]) -> None:
-        out = sys.stdout.buffer
-        for raw in iter(pipe.readline, b""):
-            out.write(raw)
-            out.flush()
-            self.q.put(raw.decode(errors="replace").rstrip("\r\n"))
-
-    def new(self) -> Iterator[str]:
-        if self._log is not None:
-            with open(self._log, "rb") as fh:
-                fh.seek(self._offset)
-                chunk = fh.read()
-            self._offset += len(chunk)
-            *whole, self._buf = (self._buf + chunk).split(b"\n")
-            for raw in whole:
-                self.q.put(raw.decode(errors="replace").rstrip("\r"))
-        while True:
-            try:
-                line = self.q.get_nowait()
-            except queue.Empty:
-                return
-            self.tail.append(line)
-            yield line
-
-
-def _notable(line: str) -> tuple[str, str] | None:
-    """(kind, text) for a line worth showing while the engine starts."""
-    if m := logs.CAPACITY.search(line):
-        return "capacity", m[0]
-    ev = logs.parse(line)
-    if ev and ev.kind in ("warning", "error"):
-        return ev.kind, ev.text
-    if MILESTONES.search(line):
-        m = logs.PREFIX.search(logs.ANSI.sub("", line))
-        return "milestone", m[3] if m else line.strip()
-    return None
-
-
-def check_log(path: str) -> None:
-    """That LOG can be appended to by this user, without creating anything: what a dry run checks too."""
-    p = Path(path)
-    where = p if p.exists() else next((a for a in p.parents if a.exists()), Path("/"))
-    blocked = p.is_dir() or (where != p and not where.is_dir())
-    if blocked or not os.access(where, os.W_OK):
-        found = ("a folder" if p.is_dir() else f"{where}, which is not a folder" if blocked
-                 else f"{where} is not writable by uid {os.geteuid()}")
-        raise BadInput(problem("LOG", f"a file this user can append to ({path})", found,
-                               "run with sudo, set LOG=/a/writable/path, or LOG= to keep the output on the "
-                               "terminal"))
-
-
-def _open_log(path: str) -> IO[bytes]:
-    """The engine log, appended to (O_APPEND: safe beside rotation), created 0640: it can hold prompts."""
-    check_log(path)
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640), "ab", buffering=0)
-    except OSError as exc:
-        raise BadInput(problem("LOG", f"a file this user can append to ({path})", exc.strerror or str(exc),
-                               "run with sudo, set LOG=/a/writable/path, or LOG= to keep the output on the "
-                               "terminal")) from None
-
-
-@dataclass
+@dataclass(frozen=True)
 class Launch:
+    """What :func:`start` starts, and how; every hook is given when it is made (rig/start.py)."""
+
     s: Settings
     v: Serve
     engine: Engine
     foreground: bool
     health: dict = field(default_factory=dict)  # the profile's extra fields of the one-token request
-    # Multi-node (rig/nodes.py): run once the engine is spawned, and once it is healthy; a headless worker's
-    # health is what ``probe`` says (the head's API answered), not a request of its own.
+    # Multi-node (rig/start.py, rig/nodes/): run once the engine is spawned, and once it is healthy; a headless
+    # worker's health is what ``probe`` says (the head's API answered), not a request of its own.
     on_spawn: Callable[[], None] | None = None
     on_ready: Callable[[], None] | None = None
     probe: Callable[[], tuple[bool, str]] | None = None
@@ -268,7 +185,7 @@ def start(launch: Launch) -> int:
         v.cache_root.mkdir(parents=True, exist_ok=True)
         argv, env, offset = launch.engine.argv, sdnotify.engine_env(launch.engine.full_env()), 0
         if s.log:
-            with _open_log(s.log) as log_fh:
+            with logs.open_log(s.log) as log_fh:
                 log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {argv[0]} serve\n".encode())
                 offset = os.fstat(log_fh.fileno()).st_size
             # The pump leads the group and writes the log, following a rotation by rename.
@@ -285,7 +202,7 @@ def start(launch: Launch) -> int:
                      supervisor=os.getpid() if launch.foreground else 0, health=json.dumps(launch.health),
                      ckpt=str(s.ckpt))
         save(s, rec)
-    lines = _Lines(Path(s.log) if s.log else None, offset, proc.stdout)
+    lines = logs.Lines(Path(s.log) if s.log else None, offset, proc.stdout)
     say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
     if launch.on_spawn:
         launch.on_spawn()
@@ -393,8 +310,6 @@ def _forward_signals(rec: Record) -> threading.Event:
 
 
 def _create_time(pid: int) -> float:
-    import psutil
-
     try:
         return psutil.Process(pid).create_time()
     except psutil.NoSuchProcess:
@@ -416,7 +331,7 @@ def _api_check(s: Settings, v: Serve, rec: Record, deadline: float) -> Callable[
     return check
 
 
-def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, lines: _Lines, quiet: bool,
+def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, lines: logs.Lines, quiet: bool,
                   stopping: threading.Event, probe: Callable[[], tuple[bool, str]] | None = None) -> None:
     t0 = time.monotonic()
     deadline = t0 + v.start_timeout
@@ -426,7 +341,7 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
     check = (lambda: (*probe(), True)) if probe else _api_check(s, v, rec, deadline)
     while True:
         for line in lines.new():
-            note = None if quiet else _notable(line)
+            note = None if quiet else logs.notable(line)
             if note:
                 kind, text = note
                 say(f"{'engine ' + kind + ': ' if kind in ('warning', 'error') else ''}{text}")
@@ -438,10 +353,11 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
             list(lines.new())  # the last lines, into lines.tail
             if s.log:
                 for line in list(lines.tail)[-15:]:
-                    print(f"{INDENT}| {line}", file=sys.stderr)
-            where = f"; the full log is {s.log}" if s.log else ""
-            raise WorkFailed(f"the engine exited with code {code} after {time.monotonic() - t0:.0f} s, before it "
-                             f"was healthy{' (its last lines are above)' if s.log else ''}{where}")
+                    quote(line, err=True)
+            raise WorkFailed(problem("the engine", "a healthy start (a one-token generation)", f"it exited with code "
+                                     f"{code} after {time.monotonic() - t0:.0f} s, before it was healthy"
+                                     + (" (its last lines are above)" if s.log else ""),
+                                     f"see why in the full log, {s.log}" if s.log else "see why in its output above"))
         now = time.monotonic()
         if now >= next_try:
             ok, last_detail, asked = check()
@@ -455,13 +371,42 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
             if asked:  # a port not open yet is looked at again at the next poll
                 next_try = time.monotonic() + RETRY
         if now >= deadline:
-            raise WorkFailed(f"the engine was not healthy within START_TIMEOUT={v.start_timeout} s (last check: "
-                             f"{last_detail}); it was stopped. Raise START_TIMEOUT for a slow first start")
+            raise WorkFailed(problem("the engine", "a healthy start (a one-token generation)", f"none: not healthy "
+                                     f"within START_TIMEOUT={v.start_timeout} s (last check: {last_detail}); it was "
+                                     "stopped", "raise START_TIMEOUT for a slow first start"))
         if now - last_beat >= HEARTBEAT:
             last_beat = now
             say(f"waiting for the engine: {now - t0:.0f} s, health: {last_detail}")
             sdnotify.notify(f"STATUS=starting: {now - t0:.0f} s, health: {last_detail}")
         time.sleep(POLL)
+
+
+def stop(s: Settings, v: Serve) -> int:
+    """This node's engine group, gracefully first, and no process of it left (``nox -s stop``, a worker's agent)."""
+    rec = load(s)
+    if rec is None:
+        say(f"not running (no live engine in {pid_path(s)}); nothing to stop")
+        return 0
+    t0 = time.monotonic()
+    rec.stopping = os.getpid()
+    save(s, rec)  # a foreground supervisor reads it: a stop, not a crash (exit 0, no restart)
+    members = group_members(rec.pgid)
+    say(f"stopping the engine: pid {rec.pid}, {len(members)} process(es) in its group; SIGTERM, then SIGKILL "
+        f"after {v.stop_timeout} s")
+    killed = terminate(rec.pgid, v.stop_timeout)
+    left = group_members(rec.pgid)
+    if left:
+        raise WorkFailed(problem(f"processes {', '.join(map(str, left))} of the engine", "none left after SIGKILL",
+                                 "they survived it (a GPU driver hang?) and still hold their GPU memory",
+                                 "check nvidia-smi"))
+    pid_path(s).unlink(missing_ok=True)
+    if rec.supervisor:  # a foreground supervisor (the unit's main process) exits 0 on its own: let it, first
+        end = time.monotonic() + 10
+        while alive(rec.supervisor) and time.monotonic() < end:
+            time.sleep(0.05)
+    how = f"SIGKILL needed for {len(killed)} process(es) that ignored SIGTERM" if killed else "clean SIGTERM"
+    say(f"stopped in {time.monotonic() - t0:.1f} s ({how}); no process of it is left")
+    return 0
 
 
 def terminate(pgid: int, timeout: float, extra: Callable[[], list[int]] | None = None) -> list[int]:

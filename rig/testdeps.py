@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
+
+from rig.console import note
 
 #: command -> Debian package
 DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd",
@@ -21,13 +22,13 @@ def ensure() -> list[str]:
     """Install the missing packages when possible; return what is still missing."""
     missing = sorted({pkg for cmd, pkg in DEBIAN.items() if not shutil.which(cmd)})
     if missing and os.geteuid() == 0 and shutil.which("apt-get"):
-        print(f"tests: installing Debian packages {' '.join(missing)}", file=sys.stderr, flush=True)
+        note(f"tests: installing Debian packages {' '.join(missing)}")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], env=env, check=False)
         subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, check=False)
         missing = sorted({pkg for cmd, pkg in DEBIAN.items() if not shutil.which(cmd)})
     if missing:
-        print(f"tests: missing {' '.join(missing)} (apt-get install -y {' '.join(missing)})", file=sys.stderr)
+        note(f"tests: missing {' '.join(missing)} (apt-get install -y {' '.join(missing)})")
     return missing
 
 

@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 LINK_SCORE = {"ok": 2}
 
 
+class Unfit(ValueError):
+    """Nodes a model cannot be spread over: what would do, what was found, and the fix (``str``: all three)."""
+
+    def __init__(self, expected: str, found: str, fix: str) -> None:
+        super().__init__(f"{expected}, found {found}: {fix}")
+        self.expected, self.found, self.fix = expected, found, fix
+
+
 @dataclass(frozen=True)
 class Topology:
     tp: int
@@ -83,16 +91,17 @@ def across(nodes: list[tuple[list[int], dict[tuple[int, int], str]]], layers: in
     ``layers`` decoder layers: each node's own choice, with its pipeline stages times the nodes.
 
     Every node must hold as many cards (vLLM gives each node the same share of the ranks), and the node
-    count must divide the layers (each node one even share of the pipeline). Else ValueError, whose text
-    says which node counts would do.
+    count must divide the layers (each node one even share of the pipeline). Else :class:`Unfit` (a
+    ValueError), whose fix says which node counts would do.
     """
     n = len(nodes)
     if n == 1:
         return choose(*nodes[0])
     counts = [len(cards) for cards, _ in nodes]
     if len(set(counts)) > 1:
-        raise ValueError(f"nodes with the same number of cards (vLLM gives each node the same share of the "
-                         f"ranks), found {', '.join(f'node {i}: {c}' for i, c in enumerate(counts))}")
+        raise Unfit("nodes with the same number of cards (vLLM gives each node the same share of the ranks)",
+                    ", ".join(f"node {i}: {c}" for i, c in enumerate(counts)),
+                    "give every node as many cards (CUDA_VISIBLE_DEVICES)")
     per = [choose(cards, p2p) for cards, p2p in nodes]
     tp = min(t.tp for t in per)  # the weakest node decides: the same TP on every node
     if any(t.tp != tp for t in per):
@@ -101,9 +110,9 @@ def across(nodes: list[tuple[list[int], dict[tuple[int, int], str]]], layers: in
     pp = n * first.pp
     if layers % n or pp > layers:
         fits = [k for k in range(1, layers + 1) if layers % k == 0 and k * first.pp <= layers]
-        raise ValueError(f"a node count that divides the model's {layers} layers into one even share per node "
-                         f"({first.pp} pipeline stage(s) each), found {n} nodes: "
-                         f"NODES={' or '.join(map(str, fits[-4:]))} would do")
+        raise Unfit(f"a node count that divides the model's {layers} layers into one even share per node "
+                    f"({first.pp} pipeline stage(s) each)", f"{n} nodes",
+                    f"NODES={' or '.join(map(str, fits[-4:]))} would do")
     flags = tuple(dict.fromkeys(f for t in per for f in t.flags))
     env = {k: v for t in per for k, v in t.env.items()}
     why = (f"{n} nodes of {counts[0]} card(s): TP{tp} inside each node ({first.why}), "

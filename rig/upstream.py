@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import tarfile
 import time
 import urllib.error
@@ -19,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from rig import atomic
-from rig.console import INDENT, say
+from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
 from rig.hashing import sha256_file
@@ -156,7 +155,7 @@ def download(url: str, dest: Path) -> None:
                     if time.monotonic() - last > 2 or done == total:
                         last = time.monotonic()
                         pct = f" ({100 * done // total}%)" if total else ""
-                        print(f"{INDENT}{done / 1e6:.1f} MB{pct}", file=sys.stderr, flush=True)
+                        say(f"{done / 1e6:.1f} MB{pct}", err=True)
     except OSError as exc:
         raise _http_failure(url, exc, "check the URL (nothing partial was kept)") from None
 

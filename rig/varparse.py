@@ -1,18 +1,49 @@
-"""The parsers of rig/config.py's variables: each gets its :class:`~rig.config.Var` (name, default) and the
-environment, and returns the value or raises one line of bad input (exit 2) naming the variable."""
+"""The variables' row type (:class:`Var`) and their parsers: each parser gets its row (name, default) and the
+environment, and returns the value or raises one line of bad input (exit 2) naming the variable. rig/config.py
+holds the table of rows."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+from rig import profiles
 from rig.errors import BadInput, problem
 
-if TYPE_CHECKING:
-    from rig.config import Parser, Var
+Parser = Callable[["Var", Mapping[str, str], Path], Any]
+
+
+@dataclass(frozen=True)
+class Var:
+    """One variable.
+
+    ``default`` is the README's text; the parser gets it as the value of an unset (or empty) variable,
+    unless ``derived`` says the text describes a value computed from something else. ``field`` is the
+    attribute of the settings object of ``group`` the parsed value fills; ``service`` marks the variables
+    the service's environment file offers.
+    """
+
+    name: str
+    default: str
+    meaning: str
+    parse: Parser | None = None
+    field: str = ""
+    group: str = "build"  # build | serve | bench | compose (read by docker-compose.yml only)
+    derived: bool = False
+    service: bool = False
+
+    @property
+    def literal(self) -> str | None:
+        """The default as a value: None when it is derived (or unset)."""
+        return None if self.derived else self.default
+
+    @property
+    def reader(self) -> str:
+        return "compose" if self.group == "compose" else "rig"
 
 
 def _raw(v: Var, env: Mapping[str, str]) -> str | None:
@@ -162,18 +193,14 @@ def cards(v: Var, env: Mapping[str, str], root: Path) -> str:
     return ",".join(items)
 
 
-def _profile(env: Mapping[str, str]):  # noqa: ANN202 - rig.profiles.Profile, imported late (it reads files)
-    from rig import profiles
-
+def _profile(env: Mapping[str, str]) -> profiles.Profile:
     return profiles.load(env.get("PROFILE", "").strip() or profiles.DEFAULT)
 
 
 def abliteration(v: Var, env: Mapping[str, str], root: Path) -> str:
     """QWEN38_ABLITERATION: set, even to nothing, the value (empty: off); unset, the profile's ``abliteration``."""
-    from rig.profiles import SET_NAME
-
     raw = env[v.name].strip() if v.name in env else _profile(env).abliteration
-    if raw and not SET_NAME.match(raw):
+    if raw and not profiles.SET_NAME.match(raw):
         raise BadInput(problem(v.name, "the name of a direction set in ABLITERATION_DIR (letters, digits, . _ + -)",
                                repr(raw), f"put the file in ABLITERATION_DIR and set {v.name} to its name, or "
                                f"set {v.name}= to turn abliteration off"))
@@ -194,11 +221,10 @@ def names(v: Var, env: Mapping[str, str], root: Path) -> tuple[str, ...]:
     return got
 
 
-def checkpoint(v: Var, env: Mapping[str, str], root: Path) -> Path:
-    """CKPT, else the profile's checkpoint ({RIG_CACHE} is the rig's download cache)."""
-    if env.get(v.name, "").strip():
-        return path(v, env, root)
-    from rig.config import VARS
-
-    cache = next(c for c in VARS if c.name == "RIG_CACHE")
-    return _profile(env).checkpoint_path(path(cache, env, root))
+def checkpoint(cache: Var) -> Parser:
+    """CKPT, else the profile's checkpoint ({RIG_CACHE} in it is the rig's download cache, the row ``cache``)."""
+    def parse(v: Var, env: Mapping[str, str], root: Path) -> Path:
+        if env.get(v.name, "").strip():
+            return path(v, env, root)
+        return _profile(env).checkpoint_path(path(cache, env, root))
+    return parse

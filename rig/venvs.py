@@ -58,7 +58,7 @@ def installed(venv: Path) -> dict[str, str]:
 def damaged(venv: Path) -> dict[str, str]:
     """name -> the first file its RECORD lists that is missing: what an install cut short leaves behind (the
     .dist-info folder is there, so the name counts as installed, but files of the package are not)."""
-    import csv
+    import csv  # only a damaged-install check needs it; the container reads this module at every step
 
     sp = site_packages(venv)
     out: dict[str, str] = {}

@@ -5,7 +5,7 @@ Python's standard library (plus the ``zstd`` program for a ``.tar.zst``).
 What the tarball says about itself (its manifest, its sha256 list) is checked,
 but it is never the only word:
 
-* the file set is compared with this tree's kernels (:class:`Expected`): the
+* the file set is compared with this tree's kernels (rig/kernels/expected.py): the
   ops step's record of a build here, or the precompiled route's list that
   ``./build.sh`` keeps beside the series, made from the pinned wheel: every
   file there, nothing else, each of its sha256 and size;
@@ -35,18 +35,16 @@ import signal
 import subprocess
 import tarfile
 import tempfile
-import tomllib
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from rig import atomic
-from rig.artifacts import MANIFEST, SUMS, TARBALLS, Refused, _clean, check_target, read_manifest, read_sums
-from rig.errors import WorkFailed
+from rig.artifacts import MANIFEST, SUMS, TARBALLS, Refused, check_target, clean_name, read_manifest, read_sums
+from rig.errors import WorkFailed, problem
 from rig.hashing import sha256_file
+from rig.kernels.expected import Expected
 from rig.proc import alive
 
 #: The most a kernel tarball may expand, when no expected sizes are known: shared objects and sources
@@ -56,81 +54,8 @@ RATIO = 50
 TRAILER = 64 << 10
 SCRATCH = ".rig-verify-"
 CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class Expected:
-    """This tree's kernels: name -> (sha256, size), the route they are made by, and where that was read."""
-
-    source: str
-    route: str
-    files: dict[str, tuple[str, int]]
-    wheel_sha256: str = ""  # a precompiled list's: the wheel its kernels came from
-
-
-def read_expected(path: Path) -> Expected:
-    """The ops step's record (``vllm/.build-products``, TOML) or a precompiled list (``sha256 size name`` lines
-    under ``# key: value`` headers)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise Refused(f"{path}: the list of this tree's kernels cannot be read ({exc.strerror})") from None
-    try:
-        rec = tomllib.loads(text)  # the ops step's record is TOML; a list is not
-    except tomllib.TOMLDecodeError:
-        rec = None
-    if rec is not None:
-        try:
-            files = {n: (str(f["sha256"]), int(f["size"])) for n, f in rec["files"].items()}
-            return Expected(str(path), str(rec["facts"]["route"]), files)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise Refused(f"{path}: not the ops step's record of its products. Fix: ./build.sh") from None
-    lines = text.splitlines()
-    head = _header(lines)
-    files = {}
-    for n, line in enumerate(lines, 1):
-        if line.startswith("#"):
-            continue
-        parts = line.split(" ", 2)
-        if len(parts) != 3 or len(parts[0]) != 64 or not parts[1].isdigit():
-            raise Refused(f"{path}:{n}: expected '<sha256> <size> <path>', found {line[:80]!r}")
-        files[parts[2]] = (parts[0], int(parts[1]))
-    return Expected(str(path), head.get("route", "precompiled"), files, head.get("wheel_sha256", ""))
-
-
-def _header(lines: Iterable[str]) -> dict[str, str]:
-    """The ``# key: value`` lines at the top of a precompiled list."""
-    head = {}
-    for line in lines:
-        if not line.startswith("#"):
-            break
-        key, sep, value = line[1:].partition(":")
-        if sep:
-            head[key.strip()] = value.strip()
-    return head
-
-
-def list_path(patches_dir: Path, device: str) -> Path:
-    """Where the precompiled route's list of kernels for ``device`` is kept: beside the series."""
-    return Path(patches_dir) / "precompiled" / f"{device}.list"
-
-
-def write_list(path: Path, device: str, wheel_sha256: str, files: dict[str, tuple[str, int]]) -> None:
-    """The precompiled route's list of kernels, written atomically."""
-    lines = [f"# The kernels the precompiled route installs for DEVICE={device}: sha256, size, path in the tree.",
-             "# ./build.sh writes it from the wheel below; verify checks a tarball's files against it.",
-             "# route: precompiled", f"# device: {device}", f"# wheel_sha256: {wheel_sha256}"]
-    lines += [f"{sha} {size} {name}" for name, (sha, size) in sorted(files.items())]
-    atomic.write_text(path, "\n".join(lines) + "\n")
-
-
-def list_header(path: Path) -> dict[str, str]:
-    """The ``# key: value`` lines at the top of a precompiled list, read alone (empty when there is none)."""
-    try:
-        with open(path) as fh:
-            return _header(fh)
-    except OSError:
-        return {}
+REPACK = "pack again with nox -s pack, and copy the whole artifacts/ folder"
+AGAIN = "free space there, then verify again; nothing was installed"
 
 
 # -- reading the tarball ----------------------------------------------------------------------------------
@@ -146,7 +71,7 @@ def _stream(path: Path) -> Iterator[IO[bytes]]:
         return
     zstd = shutil.which("zstd")
     if not zstd:
-        raise Refused(f"{path.name}: needs the zstd program to read (apt-get install -y zstd)")
+        raise Refused(problem(path.name, "the zstd program to read it", "none on PATH", "apt-get install -y zstd"))
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen([zstd, "-dc", "-q", str(path)], stdout=subprocess.PIPE, stderr=err)
         assert proc.stdout
@@ -163,7 +88,7 @@ def _stream(path: Path) -> Iterator[IO[bytes]]:
         except (tarfile.TarError, EOFError):  # the stream ended early or is garbage: zstd knows why
             proc.stdout.close()
             if cause := zstd_failed():
-                raise Refused(f"{path.name}: truncated or corrupt ({cause})") from None
+                raise _corrupt(path, cause) from None
             raise
         except BaseException:  # a refusal of ours, or an interrupt: zstd's SIGPIPE is not the news
             proc.kill()
@@ -172,7 +97,7 @@ def _stream(path: Path) -> Iterator[IO[bytes]]:
             raise
         proc.stdout.close()
         if cause := zstd_failed():
-            raise Refused(f"{path.name}: truncated or corrupt ({cause})")
+            raise _corrupt(path, cause)
 
 
 @contextmanager
@@ -185,12 +110,17 @@ def open_tar(path: Path) -> Iterator[tarfile.TarFile]:
         while chunk := raw.read(CHUNK):
             after += len(chunk)
             if after > TRAILER:
-                raise Refused(f"{path.name}: more than {TRAILER >> 10} KiB of data after the tar's end (expected "
-                              "only its padding). Fix: pack again with nox -s pack")
+                raise Refused(problem(path.name, "only the tar's padding after its end", f"more than "
+                                      f"{TRAILER >> 10} KiB of data after the tar's end", REPACK))
 
 
-def _corrupt(tar: Path, exc: BaseException) -> Refused:
-    return Refused(f"{tar.name}: truncated or corrupt ({type(exc).__name__}: {exc})")
+def _corrupt(tar: Path, cause: BaseException | str) -> Refused:
+    why = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+    return Refused(problem(tar.name, "a whole tarball", f"one truncated or corrupt ({why})", REPACK))
+
+
+def _member(tar: Path, name: str, expected: str, found: str) -> Refused:
+    return Refused(problem(f"{tar.name}: member {name!r}", expected, found, REPACK))
 
 
 def _parents(name: str) -> list[str]:
@@ -214,76 +144,81 @@ def inspect(tar: Path, sums: dict[str, str], manifest: dict, expected: Expected 
                 kind = ("symlink" if m.issym() else "hard link" if m.islnk() else "device" if m.isdev() and not
                         m.isfifo() else "FIFO" if m.isfifo() else None)
                 if kind:
-                    raise Refused(f"{tar.name}: member {m.name!r} is a {kind}; only regular files and folders "
-                                  "are allowed")
+                    raise _member(tar, m.name, "a regular file or folder", f"a {kind}")
                 if not (m.isfile() or m.isdir()):
-                    raise Refused(f"{tar.name}: member {m.name!r} has type {m.type!r}; only files and folders")
-                if not _clean(name):
-                    raise Refused(f"{tar.name}: member {m.name!r} is not a clean relative name "
-                                  "(absolute, '..' or odd characters)")
+                    raise _member(tar, m.name, "a regular file or folder", f"type {m.type!r}")
+                if not clean_name(name):
+                    raise _member(tar, m.name, "a clean relative name", "an absolute name, '..' or odd characters")
                 if name in seen:
-                    raise Refused(f"{tar.name}: member {m.name!r} appears twice")
+                    raise _member(tar, m.name, "each member once", "it appears twice")
                 seen.add(name)
                 if not m.isfile():
                     continue
                 if name not in sums:
-                    raise Refused(f"{tar.name}: member {m.name!r} is not in {SUMS}")
+                    raise _member(tar, m.name, f"a file {SUMS} lists", f"it is not in {SUMS}")
                 files.add(name)
                 size += m.size
                 if expected is not None and name in expected.files and m.size != expected.files[name][1]:
-                    raise Refused(f"{tar.name}: member {m.name!r} is {m.size} bytes; this tree's kernel is "
-                                  f"{expected.files[name][1]} bytes ({expected.source})")
+                    raise _member(tar, m.name, f"{expected.files[name][1]} bytes, this tree's kernel "
+                                  f"({expected.source})", f"{m.size} bytes")
                 if len(files) > manifest["files"] or size > manifest["bytes"]:
-                    raise Refused(f"{tar.name}: member {m.name!r} goes past the manifest's totals "
-                                  f"({manifest['files']} files, {manifest['bytes']} bytes)")
+                    raise _member(tar, m.name, f"at most the manifest's totals ({manifest['files']} files, "
+                                  f"{manifest['bytes']} bytes)", f"{len(files)} files, {size} bytes with it")
                 if size > bound:
-                    raise Refused(f"{tar.name}: member {m.name!r} takes the unpacked size past {RATIO} times the "
-                                  f"tarball's {tar.stat().st_size} bytes: not a kernels tarball")
+                    raise _member(tar, m.name, f"an unpacked size of at most {RATIO} times the tarball's "
+                                  f"{tar.stat().st_size} bytes", f"{size} bytes with it: not a kernels tarball")
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise _corrupt(tar, exc) from None
     for name in sorted(files):
         clash = next((p for p in _parents(name) if p in files), None)
         if clash:
-            raise Refused(f"{tar.name}: {clash!r} is both a file and the folder of {name!r}")
+            raise Refused(problem(f"{tar.name}: {clash!r}", "a file or a folder",
+                                  f"both a file and the folder of {name!r}", REPACK))
     missing = sorted(set(sums) - files)
     if missing:
-        raise Refused(f"{tar.name}: {missing[0]} is in {SUMS} but not in the tarball"
-                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise Refused(problem(tar.name, f"every file {SUMS} lists", f"{missing[0]}{_more(missing)} not in the "
+                              "tarball", REPACK))
     return len(files)
 
 
 # -- the set, the destination, the install -----------------------------------------------------------------
 
 
+def _more(items: list[str]) -> str:
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+
+
 def check_set(sums: dict[str, str], expected: Expected) -> None:
     """The tarball's list against this tree's kernels: every file there, nothing else, the same sha256."""
     missing = sorted(set(expected.files) - set(sums))
     extra = sorted(set(sums) - set(expected.files))
-    more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""  # noqa: E731
     if missing:
-        raise Refused(f"{SUMS}: {missing[0]}{more(missing)} is a kernel of this tree ({expected.source}) but not in "
-                      "the tarball. Fix: pack again from a complete build (nox -s pack -- --force)")
+        raise Refused(problem(SUMS, f"every kernel of this tree ({expected.source})", f"{missing[0]}"
+                              f"{_more(missing)} not in the tarball", "pack again from a complete build (nox -s "
+                              "pack -- --force)"))
     if extra:
-        raise Refused(f"{SUMS}: {extra[0]}{more(extra)} is in the tarball but is not a kernel of this tree "
-                      f"({expected.source}). Fix: pack again from a build of this tree")
+        raise Refused(problem(SUMS, f"only the kernels of this tree ({expected.source})", f"{extra[0]}"
+                              f"{_more(extra)}, which is not one of them", "pack again from a build of this tree"))
     for name in sorted(sums):
         if sums[name] != expected.files[name][0]:
-            raise Refused(f"{SUMS}: {name}: sha256 expected {expected.files[name][0]} ({expected.source}), found "
-                          f"{sums[name]}. Fix: pack again from a build of this tree")
+            raise Refused(problem(f"{SUMS}: {name}", f"sha256 {expected.files[name][0]} ({expected.source})",
+                                  sums[name], "pack again from a build of this tree"))
 
 
 def check_names(names: list[str], dest: Path) -> None:
     """Without an expected set: kernels live in the package folder, and never replace a file git tracks."""
     outside = [n for n in names if not n.startswith("vllm/")]
     if outside:
-        raise Refused(f"{SUMS}: {outside[0]} is outside the package folder vllm/, where every kernel lives")
+        raise Refused(problem(f"{SUMS}: {outside[0]}", "a file in the package folder vllm/, where every kernel "
+                              "lives", "a file outside it", "pack again from a build (nox -s pack)"))
     if not (dest / ".git").exists() or not shutil.which("git"):
         return
     out = subprocess.run(["git", "-C", str(dest), "ls-files", "-z", "--", "vllm"], capture_output=True)
     tracked = set(out.stdout.decode(errors="replace").split("\0")) & set(names) if out.returncode == 0 else set()
     if tracked:
-        raise Refused(f"{SUMS}: {sorted(tracked)[0]} is a source file of the tree (git tracks it), not a kernel: "
-                      "verify never overwrites the tree's sources")
+        raise Refused(problem(f"{SUMS}: {sorted(tracked)[0]}", "a kernel (a file git does not track)",
+                              "a source file of the tree (git tracks it)", "pack again from a build of this tree; "
+                              "verify never overwrites the tree's sources"))
 
 
 def check_dest(dest: Path, names: list[str]) -> None:
@@ -293,21 +228,22 @@ def check_dest(dest: Path, names: list[str]) -> None:
         for parent in reversed(_parents(name)):
             p = dest / parent
             if p.is_symlink():
-                raise Refused(f"{dest}: {parent} is a link; verify installs only into real folders of the tree. "
-                              "Fix: replace the link with a folder")
+                raise Refused(problem(f"{dest}: {parent}", "a real folder of the tree (verify installs only into "
+                                      "those)", "a link", "replace the link with a folder"))
             if p.exists() and not p.is_dir():
-                raise Refused(f"{dest}: {parent} is a file where the folder of {name} goes. Fix: move it away")
+                raise Refused(problem(f"{dest}: {parent}", f"the folder of {name}", "a file", "move it away"))
         p = dest / name
         if p.is_dir() and not p.is_symlink():
-            raise Refused(f"{dest}: {name} is a folder where the tarball's file goes. Fix: move it away")
+            raise Refused(problem(f"{dest}: {name}", "a file, or nothing (the tarball's file goes there)",
+                                  "a folder", "move it away"))
 
 
 def check_space(dest: Path, need: int) -> None:
     where = next((p for p in (dest, *dest.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(where).free
     if need > free:
-        raise WorkFailed(f"{where}: the kernels need {need / 1e6:.0f} MB, {free / 1e6:.0f} MB is free. Fix: free "
-                         "space there, then verify again; nothing was installed")
+        raise WorkFailed(problem(f"{where}", f"{need / 1e6:.0f} MB free for the kernels", f"{free / 1e6:.0f} MB "
+                                 "free", AGAIN))
 
 
 def clean_scratch(dest: Path) -> list[Path]:
@@ -344,14 +280,16 @@ def _extract_hashed(tar: Path, tmp: Path, sums: dict[str, str]) -> None:
                     os.chmod(path, m.mode if m.mode is not None else 0o644)
                 except OSError as exc:
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise WorkFailed(f"{tmp.parent}: the disk filled while writing {m.name} ({exc.strerror}). "
-                                         "Fix: free space there, then verify again; nothing was installed") from None
-                    raise WorkFailed(f"{path}: cannot write ({exc.strerror}); nothing was installed") from None
+                        raise WorkFailed(problem(f"{tmp.parent}", "room for the kernels", f"the disk filled while "
+                                                 f"writing {m.name} ({exc.strerror})", AGAIN)) from None
+                    raise WorkFailed(problem(f"{path}", "a file verify can write", f"{exc.strerror}", "check the "
+                                             "folder's owner and mode, then verify again; nothing was installed")
+                                     ) from None
                 if h.hexdigest() != sums[m.name]:
-                    raise Refused(f"{tar.name}: member {m.name!r} has sha256 {h.hexdigest()}, {SUMS} says "
-                                  f"{sums[m.name]}")
+                    raise _member(tar, m.name, f"sha256 {sums[m.name]} ({SUMS})", h.hexdigest())
     except tarfile.FilterError as exc:
-        raise Refused(f"{tar.name}: extraction refused ({exc})") from None
+        raise Refused(problem(tar.name, "members tarfile's data filter accepts", f"one it refuses ({exc})",
+                              REPACK)) from None
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise _corrupt(tar, exc) from None
 
@@ -388,13 +326,14 @@ def install(tmp: Path, dest: Path, names: list[str]) -> None:
             except OSError:
                 pass
         if isinstance(exc, OSError):
-            raise WorkFailed(f"{dest}: installing {len(names)} files failed at {len(moved) + 1} ({exc.strerror}); "
-                             "every file was put back as it was") from None
+            raise WorkFailed(problem(f"{dest}", f"{len(names)} files installed", f"a failure at file "
+                                     f"{len(moved) + 1} ({exc.strerror}); every file was put back as it was",
+                                     "check the disk, then verify again")) from None
         raise
 
 
 def verify(artifacts: Path, dest: Path, target: dict[str, str | None], expected: Expected | None = None,
-           say=lambda msg: None) -> tuple[int, str]:
+           say: Callable[[str], None] = lambda msg: None) -> tuple[int, str]:
     """Check the set in ``artifacts`` against ``target`` and ``expected``, and install it under ``dest``.
 
     Returns the file count and what the file set was checked against.
@@ -403,10 +342,11 @@ def verify(artifacts: Path, dest: Path, target: dict[str, str | None], expected:
     check_target(manifest, target)
     tar = artifacts / str(manifest["tarball"])
     if manifest["tarball"] not in TARBALLS or not tar.exists():
-        raise Refused(f"{MANIFEST}: tarball {manifest['tarball']!r} is not in {artifacts}")
+        raise Refused(problem(f"{MANIFEST}: tarball", f"one of {', '.join(TARBALLS)} in {artifacts}",
+                              repr(manifest["tarball"]), "copy the whole artifacts/ folder"))
     found = sha256_file(tar)
     if found != manifest["tarball_sha256"]:
-        raise Refused(f"{tar.name}: sha256 expected {manifest['tarball_sha256']} (the manifest), found {found}")
+        raise Refused(problem(tar.name, f"sha256 {manifest['tarball_sha256']} (the manifest's)", found, REPACK))
     sums = read_sums(artifacts / SUMS)
     names = sorted(sums)
     use = expected if expected is not None and expected.route == manifest["route"] else None

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from rig import atomic
+from rig.console import say as console_say
 from rig.health import connect_host
 
 RUNNING = "vllm:num_requests_running"
@@ -235,7 +236,7 @@ class Watcher:
     def __init__(self, host: str, port: int, window: int, state_dir: Path, engine: str,
                  on_hang: Callable[[Verdict], None], stopping: threading.Event | None = None,
                  clock: Callable[[], float] = time.time, get: Fetch = fetch,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = console_say) -> None:
         self.host, self.port, self.state_dir, self.on_hang, self.say = host, port, state_dir, on_hang, say
         self.stopping = stopping or threading.Event()
         self.clock, self.get = clock, get

@@ -271,3 +271,10 @@ def fresh(tmp_path_factory):
                         "CPU_WHEEL")}
     r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
     return dest, r, env
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The benchmarks' slow runs go last: they time and change the shared copies (the fresh build, the real venv),
+    so every test that asserts on those copies' first builds runs before them."""
+    last = {id(i) for i in items if i.path.name == "test_benchmarks.py" and i.get_closest_marker("slow")}
+    items[:] = [i for i in items if id(i) not in last] + [i for i in items if id(i) in last]

@@ -167,7 +167,7 @@ def test_defaults_and_extra_arguments_pass_unchanged():
     (["1", "1", "1", "0", "--results-dir"], "--results-dir"),
 ])
 def test_bad_arguments_say_what_and_exit_2(argv, item, capsys):
-    assert cli.bench(argv) == 2
+    assert cli.run("bench", argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and item in err[0] and "Fix: " in err[0], err
 
@@ -179,7 +179,7 @@ def test_bad_arguments_say_what_and_exit_2(argv, item, capsys):
 def test_bad_settings_exit_2(var, value, item, monkeypatch, capsys, assets):
     monkeypatch.setenv("TOKENIZER", str(assets["ckpt"]))
     monkeypatch.setenv(var, value)
-    assert cli.bench(["1", "2", "1", "0", "--book-file", str(assets["book"])]) == 2
+    assert cli.run("bench", ["1", "2", "1", "0", "--book-file", str(assets["book"])]) == 2
     err = capsys.readouterr().err
     assert item in err and value in err and "Fix: " in err
 
@@ -187,7 +187,7 @@ def test_bad_settings_exit_2(var, value, item, monkeypatch, capsys, assets):
 def test_a_broken_tokenizer_is_named(tmp_path, monkeypatch, capsys, assets):
     (tmp_path / "tokenizer.json").write_text("{not json")
     monkeypatch.setenv("TOKENIZER", str(tmp_path))
-    assert cli.bench(["1", "2", "--book-file", str(assets["book"])]) == 2
+    assert cli.run("bench", ["1", "2", "--book-file", str(assets["book"])]) == 2
     assert "tokenizers package reads" in capsys.readouterr().err
 
 

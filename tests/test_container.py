@@ -92,7 +92,7 @@ def shell() -> list[str]:
 
 
 def verify_run() -> tuple[list[dict[str, str]], str]:
-    runs = [a for i, a, _ in instructions() if i == "RUN" and "python3 -m rig.artifacts verify" in a]
+    runs = [a for i, a, _ in instructions() if i == "RUN" and "python3 -m rig.container verify" in a]
     assert len(runs) == 1, runs
     return run_parts(runs[0])
 
@@ -101,12 +101,16 @@ def test_verify_run_line_is_the_standard_library_verify_against_this_image():
     mounts, cmd = verify_run()
     ops = [m for m in mounts if m.get("from") == "ops"]
     assert ops and ops[0]["type"] == "bind" and "rw" not in ops[0], mounts
-    assert f"--artifacts {ops[0]['target']}" in cmd and '--dest "$VLLM_DIR"' in cmd
-    for flag in ("--ops-obj", "--arch", "--python", "--cuda", "--torch"):
-        assert flag in cmd, flag
-    assert '--arch "$ARCH"' in cmd
-    for fact in ("ops_obj", "python", "cuda", "torch"):
-        assert f'"$(python3 -m rig.container fact {fact})"' in cmd, fact
+    # one rig command computes this image's target and checks the tarball against it; adopt then needs the rig's
+    # dependencies (uv run), and nothing else of the rig runs
+    assert re.findall(r"python3 -m rig\.\w+ \w+", cmd) == ["python3 -m rig.container verify",
+                                                          "python3 -m rig.container adopt"]
+    assert f"python3 -m rig.container verify --artifacts {ops[0]['target']} " in cmd
+    assert f"uv run --no-project --with-editable . python3 -m rig.container adopt --artifacts {ops[0]['target']}" \
+        in cmd
+    assert "$(" not in cmd.split("fi ", 1)[1]  # no answers of other processes passed as flags
+    # the target's ARCH is the build argument, read by the rig's settings from the RUN's environment
+    assert any(i == "ARG" and a.startswith("ARCH=") for i, a, _ in instructions())
 
 
 def test_dockerfile_base_args_caches_and_command():
@@ -260,7 +264,7 @@ def test_run_line_stops_on_a_tarball_from_another_tree_naming_the_item(image, tm
     art = pack(tmp_path, "artifacts", image.facts(ops_obj=other))
     r = run_verify_line(image, art)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert f"ops_obj: the target needs '{image.tree['ops_obj']}', the tarball has '{other}'" in r.stderr
+    assert f"ops_obj: expected '{image.tree['ops_obj']}' (the target's), found '{other}'" in r.stderr
     assert installed_products(image) == [] and products.read(image.vllm) is None
     assert venvs.installed_vllm(image.env["VENV_DIR"], image.vllm)[0] is None
 
@@ -269,14 +273,14 @@ def test_run_line_stops_on_cpu_kernels_naming_the_device(image, tmp_path):
     art = pack(tmp_path, "artifacts", image.facts(device="cpu", cuda="none", arch="x86_64"))
     r = run_verify_line(image, art)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "device: the target needs 'cuda', the tarball has 'cpu'" in r.stderr
+    assert "device: expected 'cuda' (the target's), found 'cpu'" in r.stderr
     assert installed_products(image) == []
 
 
 def test_run_line_stops_on_kernels_for_another_torch(image, tmp_path):
     art = pack(tmp_path, "artifacts", image.facts(torch="2.12.0"))
     r = run_verify_line(image, art)
-    assert r.returncode == 2 and "torch: the target needs '2.13.0', the tarball has '2.12.0'" in r.stderr, r.stderr
+    assert r.returncode == 2 and "torch: expected '2.13.0' (the target's), found '2.12.0'" in r.stderr, r.stderr
     assert installed_products(image) == []
 
 
@@ -297,10 +301,12 @@ def test_adopt_refuses_kernels_of_another_route(image, tmp_path):
     assert products.read(image.vllm) is None
 
 
-def test_facts_need_only_the_standard_library_and_match_the_rig(image):
+def test_facts_need_only_the_standard_library_and_match_the_rig(image, tmp_path):
     s = config.settings(image.env)
     # the one kernel target, and no list of this tree's kernels (the fixture's series pins no wheel)
-    assert container.target(s) == {**of_build(s, record.load(s.state_dir, s.device)).as_dict(), "expect": ""}
+    kt = of_build(s, record.load(s.state_dir, s.device))
+    assert container.show(s) == {**kt.facts(), "expect": ""} and kt.expected is None
+    assert kt.vllm_dir == image.vllm and kt.route is None  # the ops step has not run: adopt checks the route
     # -S: no site-packages at all, as python3 of the image has none of the rig's dependencies
     r = subprocess.run([sys.executable, "-S", "-m", "rig.container", "target"], cwd=ROOT, env=image.env,
                        capture_output=True, text=True)
@@ -308,11 +314,19 @@ def test_facts_need_only_the_standard_library_and_match_the_rig(image):
     assert dict(line.split(": ", 1) for line in r.stdout.splitlines()) == {
         "device": "cuda", "ops_obj": image.tree["ops_obj"], "arch": "8.6", "python": image.python, "cuda": "13",
         "torch": "2.13.0", "expect": ""}
+    # the verify of the Dockerfile's RUN line too: the target and the tarball, in one process
+    art = pack(tmp_path, "artifacts", image.facts())
+    r = subprocess.run([sys.executable, "-S", "-m", "rig.container", "verify", "--artifacts", str(art)], cwd=ROOT,
+                       env=image.env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"verified and installed {len(FILES)} files into {image.vllm}" in r.stdout
+    assert installed_products(image) == sorted(FILES)
 
 
-def test_fact_without_a_build_record_names_what_to_run(tmp_path):
+@pytest.mark.parametrize("cmd", [["target"], ["verify", "--artifacts", "/nonexistent"]])
+def test_target_without_a_build_record_names_what_to_run(tmp_path, cmd):
     env = {**os.environ, "RIG_STATE": str(tmp_path / "state"), "VENV_DIR": str(tmp_path / "venv")}
-    r = subprocess.run([sys.executable, "-m", "rig.container", "fact", "ops_obj"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "rig.container", *cmd], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 2 and not r.stdout
     assert "build.toml" in r.stderr and "./build.sh --only tools,tree,venv,runtime,toolchain" in r.stderr

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_rig
 from test_ops import CSRC_PATCH
 
-from rig import config
+from rig import config, cpuinfo, profiles, serve
 from rig.errors import BadInput
 from rig.steps import tools
 
@@ -102,11 +102,26 @@ def test_a_compiled_input_patch_without_onednn_stops_before_any_compile(series, 
 def test_a_cpu_without_avx2_is_refused_at_step_1_naming_the_flag(tmp_path, monkeypatch):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx\n")
-    monkeypatch.setattr(tools, "CPUINFO", info)
+    monkeypatch.setattr(cpuinfo, "CPUINFO", info)
     with pytest.raises(BadInput) as e:
         tools.check_cpu(config.settings({"DEVICE": "cpu"}))
     assert "the avx2 flag" in e.value.message and "7 flags without avx2" in e.value.message
     tools.check_cpu(config.settings({}))  # DEVICE=cuda does not ask
     info.write_text("flags\t\t: fpu avx avx2 avx512f\n")
     tools.check_cpu(config.settings({"DEVICE": "cpu"}))
-    assert tools.cpu_problem(tools.cpu_flags(Path("/proc/cpuinfo").read_text())) is None  # this box (and CI's)
+    assert tools.cpu_problem(cpuinfo.flags(Path("/proc/cpuinfo").read_text())) is None  # this box (and CI's)
+
+
+@pytest.mark.parametrize("flags, want", [("avx avx2", "auto"), ("avx2 avx512f", "fp8"), ("avx2 amx_tile", "fp8")])
+def test_an_fp8_kv_cache_on_a_cpu_without_avx512_or_amx_takes_the_models_dtype_saying_why(tmp_path, monkeypatch,
+                                                                                          flags, want):
+    """vLLM's CPU attention refuses an FP8 cache without AVX-512 or AMX: the plan gives the demo what it can keep."""
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"flags\t\t: fpu sse2 {flags}\n")
+    monkeypatch.setattr(cpuinfo, "CPUINFO", info)
+    demo_profile = profiles.load("demo")
+    assert demo_profile.kv_cache_dtype == "fp8"
+    kv, why = serve._kv_cache(config.settings({"DEVICE": "cpu"}), demo_profile)
+    assert kv == want
+    assert ("needs AVX-512 or AMX" in why and "auto" in why) if want == "auto" else why == ""
+    assert serve._kv_cache(config.settings({}), profiles.load("reference"))[0] == "fp8"  # a GPU box: the profile's

@@ -12,7 +12,8 @@ import pytest
 import test_serve
 from conftest import ROOT, run_rig
 
-from rig import box, config, gpugate, serve, supervise
+from rig import box, config, gpugate, supervise
+from rig import start as starting
 from rig.errors import BadInput, WorkFailed
 
 rig_env, roomy = test_serve.rig_env, test_serve.roomy  # the start path's fixtures
@@ -151,7 +152,7 @@ def test_a_little_memory_in_use_is_an_idle_card(capsys):
 
 def test_cards_not_chosen_are_ignored(capsys):
     reading = h200s(4, {0: busy_card(ME), 2: {"memory_used": 50.0}})
-    assert gpugate.positions(reading, "1,3") == [1, 3] and gpugate.positions(reading, "") == [0, 1, 2, 3]
+    assert box.positions(reading, "1,3") == [1, 3] and box.positions(reading, "") == [0, 1, 2, 3]
     waited, read, _ = gate(lambda t: reading, cards=[1, 3])
     assert waited == 0.0 and read.reads == 1
     assert lines(capsys) == ["GPUs: cards 1, 3 free (0.6 GiB used at most)"]
@@ -193,7 +194,7 @@ def test_bad_gpu_wait_exits_2_from_the_command_line(rig_env):
     assert "GPU_WAIT: expected a whole number >= 0" in r.err and "'a minute'" in r.err and "command:" not in r.out
 
 
-# --- the gate on the start path (rig/serve.py), with read_nvml and the clock replaced ----------------------
+# --- the gate on the start path (rig/start.py), with read_nvml and the clock replaced ----------------------
 
 @pytest.fixture
 def fake_gate(monkeypatch):
@@ -207,7 +208,7 @@ def fake_gate(monkeypatch):
 
 def serve_start(env, monkeypatch, reading, *, box_check=False, dry_run=False) -> int:
     monkeypatch.setattr(box, "read_nvml", reading if callable(reading) else lambda: reading)
-    return serve.start(env, foreground=True, dry_run=dry_run, build=False, box_check=box_check, clear_cache=False)
+    return starting.run(env, foreground=True, dry_run=dry_run, build=False, box_check=box_check, clear_cache=False)
 
 
 def test_start_waits_before_the_engine_and_fails_naming_the_process(rig_env, monkeypatch, capsys, fake_gate):

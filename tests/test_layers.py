@@ -63,7 +63,7 @@ def rig_imports(name: str, path: Path, names: set[str]) -> list[tuple[str, int, 
             targets = [f"{base}.{a.name}" for a in node.names]
         else:
             continue
-        reason = any("#" in lines[i] for i in (node.lineno - 2, node.lineno - 1) if 0 <= i < len(lines))
+        reason = _has_reason(lines, node.lineno - 1)
         for t in targets:
             if t != "rig" and not t.startswith("rig."):
                 if id(node) in inner:
@@ -75,6 +75,17 @@ def rig_imports(name: str, path: Path, names: set[str]) -> list[tuple[str, int, 
             if t in names and t != name:
                 found.append((t, node.lineno, id(node) in inner, reason))
     return found
+
+
+def _has_reason(lines: list[str], i: int) -> bool:
+    """A comment on the import's line, or above it in the run of imports and comments it belongs to."""
+    if "#" in lines[i]:
+        return True
+    while i > 0 and lines[i - 1].strip().startswith(("import ", "from ", "#")):
+        i -= 1
+        if lines[i].strip().startswith("#") or "#" in lines[i]:
+            return True
+    return False
 
 
 @pytest.fixture(scope="module")

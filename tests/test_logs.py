@@ -113,7 +113,7 @@ def test_unparseable_stats_lines_are_counted_and_reported(tmp_path):
 
 
 def run_reader(args: list[str], env: dict, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rig.logs", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rig.cli", "logs", *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, **kw)
 
 
@@ -132,14 +132,14 @@ def test_plain_text_without_a_terminal_colour_with_one(tmp_path):
     plain = run_reader(["--file", str(f)], {})
     assert "\x1b[" not in plain.stdout and "gen" in plain.stdout
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "rig.logs", "--file", str(f)], cwd=ROOT, stdout=slave,
+    p = subprocess.Popen([sys.executable, "-m", "rig.cli", "logs", "--file", str(f)], cwd=ROOT, stdout=slave,
                          stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "NO_COLOR"})
     p.wait()
     os.close(slave)
     assert b"\x1b[" in os.read(master, 65536)
     os.close(master)
-    p = subprocess.Popen([sys.executable, "-m", "rig.logs", "--file", str(f)], cwd=ROOT, stdout=(s := pty.openpty())[1],
-                         stderr=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"})
+    p = subprocess.Popen([sys.executable, "-m", "rig.cli", "logs", "--file", str(f)], cwd=ROOT,
+                         stdout=(s := pty.openpty())[1], stderr=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"})
     p.wait()
     os.close(s[1])
     assert b"\x1b[" not in os.read(s[0], 65536)
@@ -207,7 +207,7 @@ def test_follow_across_rotation_loses_nothing_and_repeats_nothing(tmp_path):
     for how in ("rename", "copytruncate"):
         f = tmp_path / f"{how}.log"
         f.write_text(line("old line") + "\n")
-        p = subprocess.Popen([sys.executable, "-m", "rig.logs", "-f", "-n", "0"], cwd=ROOT, text=True,
+        p = subprocess.Popen([sys.executable, "-m", "rig.cli", "logs", "-f", "-n", "0"], cwd=ROOT, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "LOG": str(f)})
         time.sleep(1.0)
         writer(f, 40, 20, how)

@@ -11,8 +11,10 @@ from http.server import ThreadingHTTPServer
 import pytest
 from conftest import run_rig
 
-from rig import config, engine, netif, nodes
+from rig import config, engine, netif
 from rig.errors import BadInput
+from rig.nodes import client
+from rig.nodes import registry as nodes_registry
 
 HEAD = {"tree": "t" * 40, "ops_obj": "o" * 64, "device": "cpu", "cards": 1, "config": "c" * 64}
 
@@ -77,9 +79,9 @@ def test_a_public_node_to_node_address_is_told_apart(addr, private):
 
 
 def test_start_warns_when_the_node_to_node_address_is_public(capsys):
-    nodes.warn_if_public("8.8.8.8", "the node-to-node address")
+    netif.warn_if_public("8.8.8.8", "the node-to-node address")
     assert "not a private address" in capsys.readouterr().err
-    nodes.warn_if_public("10.0.0.2", "the node-to-node address")
+    netif.warn_if_public("10.0.0.2", "the node-to-node address")
     assert capsys.readouterr().err == ""
 
 
@@ -88,71 +90,71 @@ def test_start_warns_when_the_node_to_node_address_is_public(capsys):
 
 @pytest.fixture
 def registry():
-    reg = nodes.Registry(3, HEAD, "secret")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), nodes._handler(reg))
+    reg = nodes_registry.Registry(3, HEAD, "secret")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), nodes_registry._handler(reg))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
-    yield base, nodes.Role("head", os.getpid(), 0.0, base, 0, "secret")
+    yield base, client.Role("head", os.getpid(), 0.0, base, 0, "secret")
     server.shutdown()
 
 
 def test_a_worker_with_the_heads_build_joins_and_one_that_differs_is_named_with_the_value(registry):
     base, role = registry
-    assert nodes.call(base, "/join", {"rank": 1, "identity": HEAD, "address": "10.0.0.2"})[0] == 200
-    code, body = nodes.call(base, "/join", {"rank": 2, "identity": {**HEAD, "ops_obj": "x" * 64},
+    assert client.call(base, "/join", {"rank": 1, "identity": HEAD, "address": "10.0.0.2"})[0] == 200
+    code, body = client.call(base, "/join", {"rank": 2, "identity": {**HEAD, "ops_obj": "x" * 64},
                                             "address": "10.0.0.3"})
     assert code == 409 and body["error"] == f"node 2 (10.0.0.3) differs from the head: OPS_OBJ: head {'o' * 64}, " \
                                             f"this node {'x' * 64}"
-    code, body = nodes.call(base, "/join", {"rank": 3, "identity": HEAD})
+    code, body = client.call(base, "/join", {"rank": 3, "identity": HEAD})
     assert code == 400 and "NODE_RANK: expected 1 to 2 (NODES=3 at the head), found 3" in body["error"]
     with pytest.raises(BadInput, match="node 2: expected the head's build and checkpoint, found OPS_OBJ"):
-        nodes.wait_for_workers(serve(NODES="3"), role)
+        nodes_registry.wait_for_workers(serve(NODES="3"), role)
 
 
 def test_every_difference_is_named():
     node = {**HEAD, "tree": "u" * 40, "device": "cuda", "cards": 4, "config": "d" * 64}
-    assert [d.split(":")[0] for d in nodes.differences(HEAD, node)] == [
+    assert [d.split(":")[0] for d in client.differences(HEAD, node)] == [
         "tree id", "device", "cards", "the checkpoint's config.json sha256"]
-    assert nodes.differences(HEAD, dict(HEAD)) == []
+    assert client.differences(HEAD, dict(HEAD)) == []
 
 
 def test_start_stop_and_health_flow_through_the_registry(registry):
     base, role = registry
     for rank in (1, 2):
-        nodes.call(base, "/join", {"rank": rank, "identity": HEAD, "address": f"10.0.0.{rank + 1}"})
-    nodes.wait_for_workers(serve(NODES="3"), role)  # both joined: returns at once
-    assert nodes.call(base, "/control", {"token": "wrong", "action": "stop"})[0] == 403  # the head's rig only
-    nodes.tell(role, "go")
-    assert nodes.call(base, "/beat", {"rank": 1, "engine": "running"})[1]["go"] is True
-    nodes.call(base, "/beat", {"rank": 2, "engine": "gone", "detail": "its server (pid 9) is gone"})
-    ok, lines = nodes.node_lines(role)
+        client.call(base, "/join", {"rank": rank, "identity": HEAD, "address": f"10.0.0.{rank + 1}"})
+    nodes_registry.wait_for_workers(serve(NODES="3"), role)  # both joined: returns at once
+    assert client.call(base, "/control", {"token": "wrong", "action": "stop"})[0] == 403  # the head's rig only
+    nodes_registry.tell(role, "go")
+    assert client.call(base, "/beat", {"rank": 1, "engine": "running"})[1]["go"] is True
+    client.call(base, "/beat", {"rank": 2, "engine": "gone", "detail": "its server (pid 9) is gone"})
+    ok, lines = nodes_registry.node_lines(role)
     assert not ok and lines[0].startswith("node 1 (10.0.0.2): engine running, beat")
     assert lines[1].startswith("node 2 (10.0.0.3): engine GONE (its server (pid 9) is gone), reported")
 
     def leave(rank: int) -> None:  # what an agent does when the head says stop
-        while not nodes.call(base, "/beat", {"rank": rank, "engine": "running"})[1].get("stop"):
+        while not client.call(base, "/beat", {"rank": rank, "engine": "running"})[1].get("stop"):
             time.sleep(0.05)
-        nodes.call(base, "/beat", {"rank": rank, "engine": "left"})
+        client.call(base, "/beat", {"rank": rank, "engine": "left"})
 
     threads = [threading.Thread(target=leave, args=(r,)) for r in (1, 2)]
     for t in threads:
         t.start()
-    assert nodes.stop_workers(role, timeout=10) == ["node 1: stopped", "node 2: stopped"]
+    assert nodes_registry.stop_workers(role, timeout=10) == ["node 1: stopped", "node 2: stopped"]
 
 
 def test_a_worker_that_stops_beating_is_reported_lost(registry, monkeypatch):
     base, role = registry
-    nodes.call(base, "/join", {"rank": 1, "identity": HEAD, "address": "10.0.0.2"})
-    monkeypatch.setattr(nodes, "LOST", 0.2)
+    client.call(base, "/join", {"rank": 1, "identity": HEAD, "address": "10.0.0.2"})
+    monkeypatch.setattr(client, "LOST", 0.2)
     time.sleep(0.3)
-    ok, lines = nodes.node_lines(role)
+    ok, lines = nodes_registry.node_lines(role)
     assert not ok and "node 1 (10.0.0.2): LOST, no beat for" in lines[0] and lines[1] == "node 2: not joined"
 
 
 def test_a_worker_waits_for_the_head_then_gives_up_naming_it(monkeypatch):
     v = serve(NODES="2", NODE_RANK="1", NODES_PORT="1", START_TIMEOUT="1")
     with pytest.raises(Exception, match="did not answer within START_TIMEOUT=1 s"):
-        nodes.join(v, HEAD, "127.0.0.1")
+        client.join(v, HEAD, "127.0.0.1")
 
 
 # -- the topology through start --------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,8 +15,8 @@ import pytest
 from conftest import ROOT, WHEEL, Index, run_rig
 
 from rig import config, products, record, venvs
+from rig.buildlock import BuildLock
 from rig.kernels import route
-from rig.steps import pipeline
 
 PY_PATCH = {"vllm/entrypoints/api.py": "".join(f"# api line {i}\n" for i in range(1, 31))
             + "def serve():\n    return 'patched'\n"}
@@ -72,7 +73,7 @@ def test_compile_route_with_ccache_log_and_status_lines(series, ops_env, tmp_pat
     assert r.code == 0, r.text[-3000:]
     assert r.fact("route") == "compile" and "csrc/ops.cpp" in r.out
     assert op_result(env) == "3"  # x + 2: the patched kernel was compiled
-    status = [ln for ln in r.out.splitlines() if "[compile] 0m0" in ln]
+    status = [ln for ln in r.out.splitlines() if re.search(r"\[compile\] \d+m\d\ds", ln)]  # however slow the box
     assert status and "last compiled: csrc/" in status[-1] and "ccache 0 hit(s) / 2 miss(es)" in status[-1], status
     assert "MAX_JOBS=2" in r.out and "ccache=on" in r.out
     log = logs(tmp_path)[-1]
@@ -227,7 +228,8 @@ def test_disk_full_while_writing_the_record(series, ops_env, tmp_path):
         assert run_rig(env, "build", "--only", "tree").code == 0
         r = run_rig({**env, "FIXTURE_FILL_DISK": str(mnt / "filler")}, "build", "--only", "ops")
         assert r.code == 1, r.text[-2000:]
-        assert "could not write the build record" in r.err and "No space left" in r.err and "free disk" in r.err
+        assert "expected written, found it could not be written: No space left" in r.err and "free disk" in r.err
+        assert "the build record" in r.err
         assert not (mnt / "vllm" / products.RECORD).exists()
         assert not list((mnt / "vllm").glob(".build-products*"))
         (mnt / "filler").unlink()
@@ -300,7 +302,7 @@ def test_pack_once_then_current_then_repacked_without_compiling(series, ops_env,
     assert v.code == 0 and "fits this target" in v.out, v.text
     assert f"kernels of this tree ({vllm_dir / '.build-products'})" in v.out
     assert f"removed {scratch} (0 MB), left by a verify that was killed" in v.out and not scratch.exists()
-    with pipeline.BuildLock(s, "a build"):
+    with BuildLock(s, "a build"):
         locked = run_rig(env, "verify")
     assert locked.code == 2 and "the build lock" in locked.err and "a build" in locked.err, locked.text
     bad = run_rig({**env, "ARCH": "7.0"}, "verify")

@@ -20,7 +20,8 @@ import psutil
 import pytest
 from conftest import ROOT, run_rig
 
-from rig import box, config, serve, supervise
+from rig import box, config, supervise
+from rig import start as starting
 from rig.errors import BadInput
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
@@ -299,13 +300,13 @@ def roomy(monkeypatch):
 def start_in_process(env, monkeypatch, capsys, read):
     monkeypatch.setattr(box, "read_nvml", read)
     with pytest.raises(BadInput) as e:
-        serve.start(env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
+        starting.run(env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
     return e.value, capsys.readouterr().err
 
 
 def test_reference_box_reading_passes_and_chooses_tp2_pp2(rig_env, monkeypatch, capsys, roomy):
     monkeypatch.setattr(box, "read_nvml", lambda: reading())
-    assert serve.start(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    assert starting.run(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
     out = capsys.readouterr().out
     assert "box: " in out and "checks passed" in out and "topology: TP2 x PP2 + EP" in out
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in out and "SCALES=" in out
@@ -359,7 +360,7 @@ def test_the_older_scales_name_is_accepted_saying_so(rig_env, monkeypatch, capsy
     ckpt = Path(rig_env["CKPT"])
     (ckpt / "qsa_kv_scales.json").rename(ckpt / "qsa_kv_scales_swift.json")
     monkeypatch.setattr(box, "read_nvml", lambda: reading())
-    assert serve.start(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    assert starting.run(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
     cap = capsys.readouterr()
     assert "the older name qsa_kv_scales_swift.json" in cap.err and "qsa_kv_scales_swift.json" in cap.out
 
@@ -432,7 +433,7 @@ def test_dry_run_checks_log_and_still_prints_the_command(rig_env, tmp_path):
 def test_dry_run_shows_the_command_when_the_box_check_fails_then_exits_2(rig_env, monkeypatch, capsys):
     monkeypatch.setattr(box, "read_nvml", no_driver)
     with pytest.raises(BadInput) as e:
-        serve.start(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
+        starting.run(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
     out = capsys.readouterr().out
     assert "command: " in out and "vllm serve" in out and "environment:" in out
     assert "the box check" in e.value.message and e.value.code == 2

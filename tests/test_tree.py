@@ -151,7 +151,7 @@ def test_added_patch_is_refused_with_both_trees_then_accepted(series, rig_env, t
     r = run_rig(rig_env, "tree")
     assert r.code == 2
     old = tomllib.loads((series.patches / "series.toml").read_text())["expected"]["git"]["tree"]
-    assert f"expected {old}" in r.err and f"built    {series.tree}" in r.err
+    assert f"expected {old}" in r.err and f"found {series.tree}" in r.err
     assert "--accept" in r.err
     assert git(tmp_path / "vllm", "rev-parse", "HEAD") == old_head  # last good state
     r = run_rig(rig_env, "tree", "--accept")

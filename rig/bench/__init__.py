@@ -29,6 +29,7 @@ from rig.bench.book import book_file
 from rig.bench.cells import Cell, compare, previous
 from rig.bench.request import BOOK_NAME, Request, parse, usage
 from rig.bench.tool import TOOL, TOOL_DEPS
+from rig.console import plain
 
 #: What other code imports from ``rig.bench``: noxfile.py the pin, rig.cli ``main``, the tests the rest.
 __all__ = ["BOOK_NAME", "TOOL", "TOOL_DEPS", "Cell", "Request", "book_file", "compare", "main", "parse",
@@ -39,6 +40,6 @@ def main(argv: Sequence[str]) -> int:
     """``bench.sh`` behind ``python -m rig.cli bench``."""
     req = parse(argv)
     if req is None:
-        print(usage())
+        plain(usage())
         return 0
     return run.run(req)

@@ -32,10 +32,10 @@ def plot_series(req: Request, rows: Sequence[Cell]) -> dict | None:
 
 def plot(req: Request, data: dict) -> bytes:
     """The PNG: prompt and generation throughput against the swept value; the data rides in its metadata."""
-    import matplotlib
+    import matplotlib  # the bench venv's alone: the rest of the rig never plots
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib import pyplot as plt  # after the backend is chosen
 
     fig, axes = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
     for ax, what, title in ((axes[0], "prompt", "prompt processing"), (axes[1], "generation", "generation")):

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rig import config
 from rig.bench.book import book_file
 from rig.bench.request import Request, has_book_url
 from rig.bench.tool import ensure_installed
 from rig.console import say
 from rig.errors import BadInput, problem
+from rig.health import health
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ def _tokenizer(path: Path) -> Path:
         found = "a folder without tokenizer.json" if path.is_dir() else "nothing there"
         raise BadInput(problem(f"TOKENIZER {path}", "tokenizer.json, or a folder with one", found, fix))
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # the bench venv has it; the system Python may not
     except ImportError:
         return path  # outside the bench venv: llama-benchy reads it
     try:
@@ -62,9 +64,6 @@ def _tokenizer(path: Path) -> Path:
 
 def check(req: Request, env: dict[str, str]) -> Target:
     """Everything a run needs, checked before the first benchmark request; BadInput (exit 2) otherwise."""
-    from rig import config
-    from rig.health import health
-
     b = config.bench_settings(env)
     api_key = config.serve_settings(env).api_key
     host, port = _endpoint(b.base_url)

@@ -25,7 +25,7 @@ from rig.bench.plot import plot, plot_series
 from rig.bench.preflight import Target, check
 from rig.bench.request import Request
 from rig.bench.tool import BOOT, TOOL_VERSION, run_tool
-from rig.console import warn
+from rig.console import plain, warn
 from rig.errors import WorkFailed, problem
 
 
@@ -75,7 +75,7 @@ def run(req: Request, env: dict[str, str] | None = None) -> int:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    print(f"\n{table(rows)}\n\n{summary}")
+    plain(f"\n{table(rows)}\n\n{summary}")
     for c in rows:
         if not c.measured:
             warn(f"no figures at concurrency {c.concurrency}, depth {c.depth} ({c.phase}): its requests failed")
@@ -83,7 +83,7 @@ def run(req: Request, env: dict[str, str] | None = None) -> int:
         c, d, phase = ch.where
         warn(f"{ch.what} throughput at concurrency {c}, depth {d} ({phase}) fell {-ch.percent:.1f} % "
              f"({ch.before:.1f} -> {ch.now:.1f} t/s) since {before[0]}")
-    print(f"results: {req.results / name}", flush=True)
+    plain(f"results: {req.results / name}")
     return 0
 
 

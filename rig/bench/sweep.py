@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rig import atomic
 from rig.bench.cells import cell_from_record, fmt
+from rig.console import plain
 from rig.errors import BadInput, problem
 
 
@@ -45,6 +46,6 @@ def table_main(argv: Sequence[str]) -> int:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", argv[0]).strip("-") or "sweep"
     out = runs[0][1].parent / f"{slug}-sweep-{time.strftime('%Y%m%d-%H%M%S')}.md"
     atomic.write_text(out, text)
-    print(text)
-    print(f"table: {out}")
+    plain(text)
+    plain(f"table: {out}")
     return 0

@@ -26,7 +26,7 @@ BOOT = ("import os, sys\nfrom llama_benchy.__main__ import main\nkey = os.enviro
 
 def ensure_installed() -> None:
     """BadInput (exit 2) unless the pinned llama-benchy is what this Python imports."""
-    from importlib import metadata
+    from importlib import metadata  # only a run asks; `python3 -m rig.bench table` never does
 
     try:
         found = metadata.version("llama-benchy")

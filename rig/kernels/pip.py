@@ -19,7 +19,7 @@ from pathlib import Path
 from rig import proc, venvs
 from rig.config import Settings
 from rig.console import say
-from rig.errors import WorkFailed
+from rig.errors import WorkFailed, problem
 from rig.gitutil import Git
 from rig.record import BuildRecord
 
@@ -121,8 +121,9 @@ def install(s: Settings, rec: BuildRecord, route: str, version: str, wheel: Path
     if code != 0:
         text = log.read_text(errors="replace").splitlines()
         first = next((ln.strip() for ln in text if ERROR_LINE.search(ln) and not ln.startswith("#")), tail[-1:])
-        raise WorkFailed(f"{what} failed (exit {code}). First error: {first}. Full log: {log}. "
-                         "Fix the error (a patch under csrc/ breaks the compile?) and run ./build.sh again")
+        raise WorkFailed(problem(f"the {what} (pip install -v)", "exit 0", f"exit {code}. First error: {first}. "
+                                 f"Full log: {log}", "fix the error (a patch under csrc/ breaks the compile?) and "
+                                 "run ./build.sh again"))
     after = ccache_counts(ccache)
     if after and before:
         say(f"ccache: {after[0] - before[0]} hit(s), {after[1] - before[1]} miss(es) in this run")

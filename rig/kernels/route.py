@@ -9,7 +9,6 @@ version (:func:`cpu_wheel`); the compile route needs oneDNN's source.
 
 from __future__ import annotations
 
-import os
 import re
 import zipfile
 from pathlib import Path
@@ -20,7 +19,6 @@ from rig.console import say
 from rig.errors import BadInput, problem
 from rig.gitutil import Git
 from rig.hashing import sha256_file
-from rig.kernels.target import WHEEL_PIN
 from rig.record import BuildRecord, Tree
 from rig.series import Series
 
@@ -81,8 +79,6 @@ def choose(s: Settings, tree: Tree, repo: Git, ops_paths: tuple[str, ...]) -> tu
     return "precompiled", "the series changes no compiled input: the official wheel's kernels fit"
 
 
-
-
 def version(s: Settings, sr: Series) -> str:
     """The version the tree is installed as: the series' version, marked ``+cpu`` for the CPU build (vLLM then
     chooses its CPU platform by itself)."""
@@ -111,9 +107,8 @@ def official_wheel(s: Settings, sr: Series, sha256: str | None = None) -> tuple[
 
     ``sha256``: the one a build record names, else series.toml's ``[upstream].wheel_sha256``.
     """
-    key = WHEEL_PIN["cuda"]
-    pinned, name = (sha256, f"the build record's {key}") if sha256 else (
-        sr.data["upstream"].get(key), f"[upstream].{key}")
+    pin, key = sr.wheel_pin("cuda")
+    pinned, name = (sha256, "the build record's wheel_sha256") if sha256 else (pin, key)
     return upstream.fetch_file(s.cache, s.index_url, upstream.wheel_name(sr.version), pinned, name)
 
 
@@ -124,9 +119,8 @@ def cpu_wheel(s: Settings, sr: Series) -> tuple[Path, str, str]:
     name and sha256 series.toml records. A wheel of another version, or one whose sha256 differs from the
     one series.toml records for its name, is refused.
     """
-    up = sr.data["upstream"]
-    pin = f"[upstream].{WHEEL_PIN['cpu']}"
-    recorded = {up.get("cpu_wheel", upstream.cpu_wheel_name(sr.version)): up.get(WHEEL_PIN["cpu"])}
+    sha256, pin = sr.wheel_pin("cpu")
+    recorded = {sr.cpu_wheel or upstream.cpu_wheel_name(sr.version): sha256}
     if not s.cpu_wheel:
         name = next(iter(recorded))
         path, sha = upstream.fetch_file(s.cache, s.index_url, name, recorded[name], pin)
@@ -179,9 +173,9 @@ def copy_cpu_kernels(wheel: Path, vllm_dir: Path) -> list[str]:
         return [i.filename for i in members]
 
 
-def onednn_source() -> Path:
+def onednn_source(s: Settings) -> Path:
     """The CPU compile route needs oneDNN's source; CMake would fetch it from GitHub, which may be unreachable."""
-    raw = os.environ.get("FETCHCONTENT_SOURCE_DIR_ONEDNN", "").strip()
+    raw = s.onednn_src or ""
     if not raw or not (Path(raw) / "CMakeLists.txt").is_file():
         raise BadInput(problem("FETCHCONTENT_SOURCE_DIR_ONEDNN", "a oneDNN v3.13 source tree (the CPU compile "
                                "route's CMake fetches it from GitHub otherwise)", repr(raw) if raw else "unset",
@@ -199,7 +193,7 @@ def prepare(s: Settings, sr: Series, way: str, facts: dict) -> tuple[str, Path |
     """
     if way == "compile":
         if s.device == "cpu":
-            say(f"oneDNN source: {onednn_source()}")
+            say(f"oneDNN source: {onednn_source(s)}")
         return "compile", None
     if s.device == "cpu":
         wheel, facts["wheel_sha256"], which = cpu_wheel(s, sr)

@@ -1,34 +1,36 @@
-"""The one kernel target: what kernels this tree and venv need.
+"""The one kernel target: what kernels this tree and venv need, made in one place (:func:`of_build`).
 
-``nox -s pack`` writes it into the manifest, ``nox -s verify`` and the container's
-verify check a tarball against it, and the container adopts kernels only for it.
-Standard library only: the container build reads it before the rig's dependencies exist.
+The pack step writes its facts into the manifest, ``nox -s verify`` and the
+container's verify check a tarball against it and install into its tree, and
+the container adopts kernels only for it. Standard library only: the container
+build reads it before the rig's dependencies exist.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import venvs
+from rig import products, series, venvs
 from rig.config import Settings
 from rig.errors import BadInput, problem
+from rig.kernels.expected import Expected, list_header, list_path, read_expected
 from rig.record import BuildRecord, path
-
-#: The key of series.toml's [upstream] that pins the wheel each device's precompiled kernels come from.
-WHEEL_PIN = {"cuda": "wheel_sha256", "cpu": "cpu_wheel_sha256"}
 
 #: What to run when the record of steps 1-5 is missing.
 FIRST = "./build.sh --only tools,tree,venv,runtime,toolchain"
+#: The facts a manifest records and a target needs, in the manifest's order.
+FACTS = ("device", "ops_obj", "arch", "python", "cuda", "torch")
 
 
 @dataclass(frozen=True)
-class Target:
+class KernelTarget:
     """The device, OPS_OBJ of the tree, the architectures wanted, the venv's CPython minor, torch's CUDA major
-    (``none`` for the CPU kernels), torch. The device comes first: a tarball for the other device is refused
-    naming it."""
+    (``none`` for the CPU kernels) and torch; the route of the kernels built here (None where the ops step has
+    not run, as in the container: its adopt checks the route); this tree's kernels, the set a tarball must
+    hold (None when none is known); and the tree they go into. The device comes first: a tarball for the
+    other device is refused naming it."""
 
     device: str
     ops_obj: str
@@ -36,16 +38,24 @@ class Target:
     python: str
     cuda: str
     torch: str
+    route: str | None
+    expected: Expected | None
+    vllm_dir: Path
 
-    def as_dict(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
+    def facts(self) -> dict[str, str]:
+        """What a manifest records of the target, as :data:`FACTS` names them."""
+        return {k: getattr(self, k) for k in FACTS}
+
+    def checks(self) -> dict[str, str | None]:
+        """What verify compares with a manifest: the facts and the route (None: not compared)."""
+        return {**self.facts(), "route": self.route}
 
 
 def _missing(item: str) -> BadInput:
     return BadInput(problem(item, "recorded", "none", f"run {FIRST} first"))
 
 
-def of_build(s: Settings, rec: BuildRecord) -> Target:
+def of_build(s: Settings, rec: BuildRecord) -> KernelTarget:
     """The target of this tree (the build record) and venv, for ``ARCH``."""
     if rec.tree is None or not rec.tree.ops_obj:
         raise _missing(f"{path(s.state_dir, s.device)}: the tree step's ops_obj")
@@ -58,31 +68,25 @@ def of_build(s: Settings, rec: BuildRecord) -> Target:
     if torch is None:
         raise BadInput(problem(f"torch in {s.venv_dir}", "installed", "none", f"run {FIRST} first"))
     cpu = s.device == "cpu"
-    return Target(device=s.device, ops_obj=rec.tree.ops_obj, arch=platform.machine() if cpu else s.arch,
-                  python=f"{minor[0]}.{minor[1]}", cuda="none" if cpu else rec.toolchain.torch_cuda.split(".")[0],
-                  torch=torch)
+    listed = _expected(s, rec)
+    return KernelTarget(device=s.device, ops_obj=rec.tree.ops_obj, arch=platform.machine() if cpu else s.arch,
+                        python=f"{minor[0]}.{minor[1]}",
+                        cuda="none" if cpu else rec.toolchain.torch_cuda.split(".")[0], torch=torch,
+                        route=rec.ops.route if rec.ops else None,
+                        expected=read_expected(listed) if listed else None, vllm_dir=s.vllm_dir)
 
 
-def expected(s: Settings, rec: BuildRecord) -> Path | None:
-    """What a kernels tarball for this tree must hold, as a file ``verify --expect`` reads.
-
-    The ops step's record of a build here, when it is for this tree's OPS_OBJ; else the precompiled route's
-    list beside the series, when it was made from the wheel series.toml pins for this device; else None.
-    """
-    import tomllib
-
-    from rig import products, verify
-
-    own = s.vllm_dir / products.RECORD
-    if rec.tree is not None and own.is_file():
-        try:
-            if tomllib.loads(own.read_text())["facts"]["ops_obj"] == rec.tree.ops_obj:
-                return own
-        except (tomllib.TOMLDecodeError, KeyError, TypeError):
-            pass
-    listed = verify.list_path(s.patches_dir, s.device)
+def _expected(s: Settings, rec: BuildRecord) -> Path | None:
+    """Where this tree's kernels are listed: the ops step's record of a build here, when it is for this tree's
+    OPS_OBJ; else the precompiled route's list beside the series, when it was made from the wheel series.toml
+    pins for this device; else None."""
+    own = products.read(s.vllm_dir)
+    if rec.tree is not None and own is not None and isinstance(own.facts, dict) \
+            and own.facts.get("ops_obj") == rec.tree.ops_obj:
+        return s.vllm_dir / products.RECORD
+    listed = list_path(s.patches_dir, s.device)
     try:
-        pin = tomllib.loads((s.patches_dir / "series.toml").read_text())["upstream"].get(WHEEL_PIN[s.device])
-    except (OSError, tomllib.TOMLDecodeError, KeyError):
+        pin, _ = series.load(s.patches_dir).wheel_pin(s.device)
+    except BadInput:  # no series.toml to trust: no list either (verify then checks names only)
         return None
-    return listed if pin and verify.list_header(listed).get("wheel_sha256") == pin else None
+    return listed if pin and list_header(listed).get("wheel_sha256") == pin else None

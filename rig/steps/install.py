@@ -20,9 +20,9 @@ from rig import products, record, venvs
 from rig.config import Settings
 from rig.console import say
 from rig.cudastub import driver_loadable
-from rig.errors import WorkFailed
+from rig.errors import WorkFailed, problem
 from rig.kernels import pip, route
-from rig.steps.pipeline import Context, Status, Step
+from rig.steps.base import Context, Status, Step
 
 DRIVER = "libcuda.so.1"
 
@@ -68,14 +68,18 @@ def link_check(s: Settings, rec: products.Record) -> list[str]:
     return problems
 
 
-#: The CPU build's import check: vLLM picks its CPU platform and loads the kernels it picks for this CPU.
+#: The CPU build's import check: vLLM picks its CPU platform and loads the kernels it picks for this CPU (``_C``
+#: with AVX-512 BF16, ``_C_AVX512`` or ``_C_AVX2`` otherwise: each registers the ``_C`` namespace, so loading a
+#: second one aborts the process). It prints the platform, the module's file and the ``_C`` ops it registered.
 CPU_CHECK = (
-    "import torch\n"
+    "import re, torch\n"
     "from vllm.platforms import current_platform as p\n"
     "assert p.is_cpu(), f'vLLM chose the {type(p).__name__} platform, not the CPU'\n"
     "p.import_kernels()\n"
-    "import vllm._C\n"
-    "print(p.device_type, sum(n.startswith('_C::') for n in torch._C._dispatch_get_all_op_names()))\n"
+    "ops = sum(n.startswith('_C::') for n in torch._C._dispatch_get_all_op_names())\n"
+    "assert ops, 'no _C op is registered after import_kernels()'\n"
+    "so = sorted(set(re.findall(r'/vllm/(_C[A-Z0-9_]*\\.\\S+\\.so)', open('/proc/self/maps').read())))\n"
+    "print(p.device_type, ','.join(so) or 'none', ops)\n"
 )
 
 
@@ -84,15 +88,18 @@ def cpu_import_check(s: Settings) -> str:
     py, env = str(venvs.python(s.venv_dir)), {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     r = subprocess.run([py, "-c", CPU_CHECK], capture_output=True, text=True, env=env, cwd="/")
     if r.returncode != 0:
-        raise WorkFailed(f"import check on the CPU failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}. "
-                         "Fix: ./build.sh --force (the CPU kernels may be for another torch)")
-    device, ops = r.stdout.split()[-2:]
+        raise WorkFailed(problem("the import check on the CPU", "vLLM's CPU platform loads the kernels for this CPU",
+                                 (r.stderr.strip().splitlines() or ["no output"])[-1],
+                                 "./build.sh --force (the CPU kernels may be for another torch)"))
+    device, module, ops = r.stdout.split()[-3:]
     h = subprocess.run([str(s.venv_dir / "bin" / "vllm"), "serve", "--help=ModelConfig"], capture_output=True,
                        text=True, env=env, cwd="/")
     if h.returncode != 0 or "--max-model-len" not in h.stdout:
-        raise WorkFailed(f"`vllm serve --help=ModelConfig` failed or lacks --max-model-len (exit {h.returncode}): "
-                         f"{(h.stderr.strip().splitlines() or ['no output'])[-1]}. Fix: ./build.sh --force")
-    return f"import check: vllm._C loads {ops} ops, the platform is {device}, `vllm serve --help=ModelConfig` runs"
+        raise WorkFailed(problem("`vllm serve --help=ModelConfig`", "exit 0 and a --max-model-len flag",
+                                 f"exit {h.returncode}: {(h.stderr.strip().splitlines() or ['no output'])[-1]}",
+                                 "./build.sh --force"))
+    return (f"import check: the CPU kernels ({module}, picked for this CPU) register {ops} ops, the platform is "
+            f"{device}, `vllm serve --help=ModelConfig` runs")
 
 
 def import_check(s: Settings, rec: products.Record) -> str:
@@ -105,13 +112,15 @@ def import_check(s: Settings, rec: products.Record) -> str:
         code = "import torch, vllm\nimport importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in mods)
         r = subprocess.run([str(venvs.python(s.venv_dir)), "-c", code], capture_output=True, text=True)
         if r.returncode != 0:
-            raise WorkFailed(f"import check failed: {r.stderr.strip().splitlines()[-1:]}. "
-                             f"Fix: ./build.sh --force (the kernels may be for another torch or driver)")
+            raise WorkFailed(problem("the import check", "vllm and its compiled extensions import with the driver",
+                                     f"{r.stderr.strip().splitlines()[-1:]}",
+                                     "./build.sh --force (the kernels may be for another torch or driver)"))
         return f"import check: vllm and {len(mods)} compiled extension(s) import with the driver"
     problems = link_check(s, rec)
     if problems:
-        raise WorkFailed("link check failed: " + "; ".join(problems[:10])
-                         + ". Fix: ./build.sh --force, or check the toolchain step's toolkit")
+        raise WorkFailed(problem("the link check", f"every NEEDED library resolves ({DRIVER} aside)",
+                                 "; ".join(problems[:10]), "./build.sh --force, or check the toolchain step's "
+                                 "toolkit"))
     return ("import check: no NVIDIA driver here, so only the link layer was checked (every NEEDED library "
             f"resolves, {DRIVER} aside); the full import runs at serve time on the GPU host")
 
@@ -139,7 +148,8 @@ class InstallStep(Step):
         ops = ctx.record.ops
         rec = products.read(s.vllm_dir)
         if rec is None or ops is None:
-            raise WorkFailed(f"no build record in {s.vllm_dir}: run ./build.sh --only ops first")
+            raise WorkFailed(problem(f"the kernels' build record in {s.vllm_dir}", "present (the ops step ran)",
+                                     "none", "./build.sh --only ops first"))
         version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
         if wrong or version != ops.version:
             say(f"reinstalling: {wrong or f'vllm {version} installed, the tree is {ops.version}'}")
@@ -150,7 +160,8 @@ class InstallStep(Step):
             products.write(s.vllm_dir, rec)
             version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)
             if wrong:
-                raise WorkFailed(f"after the reinstall: {wrong}. Fix: remove {s.venv_dir} and run ./build.sh")
+                raise WorkFailed(problem(f"vllm in {s.venv_dir} after the reinstall", f"vllm {ops.version} from "
+                                         f"{s.vllm_dir}", wrong, f"remove {s.venv_dir} and run ./build.sh"))
         say(import_check(s, rec))
         counts = pip.ccache_counts((ctx.record.tools.ccache if ctx.record.tools else "") or None)
         if counts:

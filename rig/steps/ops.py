@@ -20,11 +20,13 @@ import shutil
 from pathlib import Path
 
 from rig import products, record
+from rig.artifacts import Refused
 from rig.console import say
-from rig.errors import WorkFailed
+from rig.errors import WorkFailed, problem
 from rig.gitutil import Git
 from rig.kernels import pip, route
-from rig.steps.pipeline import Context, Status, Step
+from rig.kernels.expected import list_path, read_expected, write_list
+from rig.steps.base import Context, Status, Step
 
 
 class OpsStep(Step):
@@ -67,7 +69,9 @@ class OpsStep(Step):
         facts["log"] = log.name
         rec = products.collect(s.vllm_dir, facts)
         if not rec.files:
-            raise WorkFailed(f"the {way} route left no products in {s.vllm_dir / 'vllm'}. Full log: {log}")
+            raise WorkFailed(problem(f"the {way} route's products in {s.vllm_dir / 'vllm'}", "the kernels",
+                                     "none", f"read the full log {log}, fix what it names, and run ./build.sh "
+                                     "again"))
         products.write(s.vllm_dir, rec)
         size = sum(v["size"] for v in rec.files.values()) / 1e6
         say(f"{len(rec.files)} products, {size:.1f} MB, recorded in {s.vllm_dir / products.RECORD}")
@@ -87,17 +91,15 @@ def outputs(vllm_dir: Path, rec: products.Record) -> record.Ops:
 def _list_precompiled(patches_dir: Path, device: str, wheel_sha256: str, rec: products.Record) -> None:
     """Keep the precompiled route's kernels beside the series, so that verify (and the container, which has no
     build of its own) can check a tarball's files against them. Written only when they differ."""
-    from rig import verify
-
-    path = verify.list_path(patches_dir, device)
+    path = list_path(patches_dir, device)
     files = {n: (f["sha256"], f["size"]) for n, f in rec.files.items()}
     try:
-        listed = verify.read_expected(path)
+        listed = read_expected(path)
         same = listed.files == files and listed.wheel_sha256 == wheel_sha256
-    except verify.Refused:
+    except Refused:
         same = False
     if not same:
-        verify.write_list(path, device, wheel_sha256, files)
+        write_list(path, device, wheel_sha256, files)
         say(f"the precompiled kernels' list: {path} ({len(files)} files; commit it with the series)")
 
 

@@ -3,10 +3,10 @@ dataclass in rig/record.py, which the build record is read back into)."""
 
 from __future__ import annotations
 
+from rig.steps.base import Step
 from rig.steps.install import InstallStep
 from rig.steps.ops import OpsStep
 from rig.steps.pack import PackStep
-from rig.steps.pipeline import Step
 from rig.steps.runtime import RuntimeStep
 from rig.steps.toolchain import ToolchainStep
 from rig.steps.tools import ToolsStep

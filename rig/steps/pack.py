@@ -7,12 +7,16 @@ the compiled kernels, without compiling.
 
 from __future__ import annotations
 
-from rig import artifacts, products, record
+import shutil
+from pathlib import Path
+
+from rig import artifacts, leftovers, products, record, verify
+from rig.buildlock import BuildLock
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, problem
 from rig.kernels import target
-from rig.steps.pipeline import Context, Status, Step
+from rig.steps.base import Context, Status, Step
 
 #: The GPU architectures of the official v0.30.0 wheel's kernels (read with cuobjdump --list-elf).
 OFFICIAL_ARCHS = "7.5 8.0 8.6 8.9 9.0 10.0 12.0"
@@ -25,7 +29,7 @@ def manifest_facts(s: Settings, rec: record.BuildRecord) -> dict:
         raise BadInput(problem(f"the build record {s.vllm_dir / products.RECORD}", "present (the ops step ran)",
                                "none", "run ./build.sh first"))
     built = OFFICIAL_ARCHS if ops.route == "precompiled" else " ".join((ops.arch or s.arch).replace(";", " ").split())
-    return {**target.of_build(s, rec).as_dict(), "arch": built, "tree": rec.tree.head if rec.tree else "",
+    return {**target.of_build(s, rec).facts(), "arch": built, "tree": rec.tree.head if rec.tree else "",
             "route": ops.route}
 
 
@@ -62,3 +66,24 @@ def _outputs(s: Settings, m: dict) -> record.Pack:
     st = tar.stat()
     return record.Pack(tarball=str(tar), files=m["files"], bytes=m["bytes"], ops_obj=m["ops_obj"],
                        sha256=m["tarball_sha256"], size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+
+def check_artifacts(s: Settings, src: Path | None, dest: Path | None) -> int:
+    """``nox -s verify``: a kernels folder (default ``ARTIFACTS_DIR``) against this build's target, item by item,
+    installed into ``dest`` (default: a scratch folder, removed after).
+
+    Under the build lock, since a build may be rewriting artifacts/ or the tree's kernels; the scratch destination
+    is the rig's own, so a verify that is killed leaves nothing the next one does not remove."""
+    kt = target.of_build(s, record.load(s.state_dir, s.device))
+    src = src or s.artifacts_dir
+    with BuildLock(s, "verify"):
+        leftovers.clean(s, say)
+        scratch = s.state_dir / leftovers.VERIFY_DEST
+        try:
+            n, against = verify.verify(src, dest or scratch, kt.checks(), kt.expected, say=say)
+        finally:
+            if not dest:
+                shutil.rmtree(scratch, ignore_errors=True)
+    shown = ", ".join(f"{k} {v}" for k, v in kt.checks().items() if v)
+    say(f"verify: {src} fits this target ({shown}); {n} files, the set checked against {against}")
+    return 0

@@ -15,15 +15,14 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from rig import atomic, proc, record, venvs
 from rig.config import Settings
-from rig.console import say
+from rig.console import note, say
 from rig.errors import BadInput, WorkFailed, problem
-from rig.steps.pipeline import Context, Status, Step
+from rig.steps.base import Context, Status, Step
 from rig.venvs import WANT_TEXT, norm
 
 PLATFORM = "x86_64-manylinux_2_28"
@@ -36,6 +35,9 @@ HEARTBEAT_S = 30.0
 #: Written into the venv before an install and removed after it: present at the next run, it means the install
 #: was cut short (kill -9, power loss), and a .dist-info folder no longer proves its package is whole.
 MARKER = ".rig-install-incomplete"
+#: The one pin of Ray, for DIST_BACKEND=ray: ``nox -s lock`` makes scripts/ray.in and scripts/ray.lock from it, and
+#: rig/raycluster.py installs that lock on the nodes that use it.
+RAY = "ray==2.60.0"
 
 
 @dataclass
@@ -129,8 +131,9 @@ class RuntimeStep(Step):
         install(s, ctx.uv, lock, reinstall=changed)
         missing = differences(lock, venvs.installed(s.venv_dir))
         if missing:
-            raise WorkFailed(f"after the install {len(missing)} pin(s) are still missing, e.g. {missing[0]}. "
-                             f"Fix: remove {s.venv_dir} and run ./build.sh again")
+            raise WorkFailed(problem(f"{s.venv_dir} after the install", f"every pin of {s.runtime_lock.name}",
+                                     f"{len(missing)} pin(s) still missing, e.g. {missing[0]}",
+                                     f"remove {s.venv_dir} and run ./build.sh again"))
         marker.unlink()  # the install finished: nothing in the venv is half-written
         size = sum(f.stat().st_size for f in venvs.site_packages(s.venv_dir).rglob("*") if f.is_file()) / 1e9
         say(f"venv size: {size:.2f} GB")
@@ -160,8 +163,9 @@ def install(s: Settings, uv: str | None, lock: Lock, reinstall: list[str]) -> No
             cmd += ["--force-reinstall", *[f"{n}=={lock.pins[n][0]}" for n in reinstall]]
     code, tail = stream(cmd, label="installing", watch=s.venv_dir, interval=min(HEARTBEAT_S, s.status_interval))
     if code != 0:
-        raise _install_error(tail, lock) or WorkFailed(
-            f"the install failed (exit {code}): {' '.join(tail[-3:])}. Fix: check the network and run again")
+        raise _install_error(tail, lock) or WorkFailed(problem(
+            f"the install of {lock.path.name}", "exit 0", f"exit {code}: {' '.join(tail[-3:])}",
+            "check the network and run again"))
 
 
 def stream(cmd: list[str], label: str, watch: Path, interval: float) -> tuple[int, list[str]]:
@@ -214,7 +218,8 @@ def make_lock(s: Settings, uv: str | None, out: Path, inputs: list[str], python:
         cmd += ["--constraint", str(constraint)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise WorkFailed(f"uv pip compile failed: {r.stderr.strip()[-800:]}")
+        raise WorkFailed(problem(f"uv pip compile of {src.name}", "exit 0", f"exit {r.returncode}: "
+                                 f"{r.stderr.strip()[-800:]}", f"check the network and the inputs in {src}"))
     body = r.stdout
     pins = len(re.findall(r"^[A-Za-z0-9][A-Za-z0-9._-]*==", body, re.M))
     uv_version = subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip()
@@ -242,19 +247,23 @@ def lock_main(s: Settings, uv: str | None, version: str) -> int:
     torch = lock.pins.get("torch")
     cuda = [p for p in lock.pins if p.startswith("nvidia-cuda-runtime")]
     if not torch or not cuda:
-        raise WorkFailed(f"the lock has torch {torch and torch[0]} but no CUDA runtime: a CPU build of torch was "
-                         "resolved. Fix: resolve against PyPI (INDEX_URL) where torch is the CUDA build")
-    print(f"{s.runtime_lock}: {n} pins (torch {torch[0]} with {cuda[0]} {lock.pins[cuda[0]][0]})", file=sys.stderr)
+        raise WorkFailed(problem(f"{s.runtime_lock}", "torch with its CUDA runtime (nvidia-cuda-runtime)",
+                                 f"torch {torch and torch[0]} and no CUDA runtime: a CPU build of torch",
+                                 "resolve against PyPI (INDEX_URL), where torch is the CUDA build"))
+    note(f"{s.runtime_lock}: {n} pins (torch {torch[0]} with {cuda[0]} {lock.pins[cuda[0]][0]})")
     lock_ray(s, uv)
     return n
 
 
+def ray_lock_path(s: Settings) -> Path:
+    """``scripts/ray.lock``, beside the runtime lock."""
+    return s.runtime_lock.with_name("ray.lock")
+
+
 def lock_ray(s: Settings, uv: str | None) -> int:
     """``scripts/ray.lock``: Ray for DIST_BACKEND=ray, within the runtime lock's pins (one version of each)."""
-    from rig.raycluster import RAY, lock_path
-
-    out = lock_path(s)
+    out = ray_lock_path(s)
     n = make_lock(s, uv, out, [RAY], constraint=s.runtime_lock,
                   what="Ray for DIST_BACKEND=ray (installed on the nodes that use it)")
-    print(f"{out}: {n} pins ({RAY})", file=sys.stderr)
+    note(f"{out}: {n} pins ({RAY})")
     return n

@@ -19,7 +19,7 @@ from rig.console import say
 from rig.cudastub import driver_loadable
 from rig.errors import BadInput, problem
 from rig.hashing import sha256_file
-from rig.steps.pipeline import Context, Status, Step
+from rig.steps.base import Context, Status, Step
 
 SYSTEM_CUDA = Path("/usr/local/cuda")
 CPU_NOTHING = "DEVICE=cpu: nothing to do here (no CUDA toolkit, no driver stub: the CPU kernels need neither)"

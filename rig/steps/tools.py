@@ -16,11 +16,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import record
+from rig import cpuinfo, record
 from rig.config import Settings
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
-from rig.steps.pipeline import Context, Status, Step
+from rig.steps.base import Context, Status, Step
 
 CMAKE_MIN = (3, 26)
 RUST_CHANNEL = (1, 95)  # vLLM v0.30.0's rust-toolchain.toml
@@ -111,17 +111,6 @@ def fingerprint(s: Settings, uv: str | None) -> str:
     return "|".join(stamps)
 
 
-#: Where the CPU's flags are read (a test points it at a recorded one).
-CPUINFO = Path("/proc/cpuinfo")
-
-
-def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The CPU's flags, from ``cpuinfo`` text (default: this machine's)."""
-    if cpuinfo is None:
-        cpuinfo = CPUINFO.read_text() if CPUINFO.exists() else ""
-    return next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-
-
 def cpu_problem(flags: list[str]) -> str | None:
     """Why a CPU with ``flags`` cannot run vLLM's CPU kernels (they need AVX2 at least), or None."""
     if "avx2" in flags:
@@ -132,7 +121,7 @@ def cpu_problem(flags: list[str]) -> str | None:
 
 
 def check_cpu(s: Settings) -> None:
-    if s.device == "cpu" and (why := cpu_problem(cpu_flags())):
+    if s.device == "cpu" and (why := cpu_problem(cpuinfo.flags())):
         raise BadInput(why)
 
 
@@ -168,8 +157,9 @@ class ToolsStep(Step):
             found = detect(s, ctx.uv)
             gone = missing(found)
             if gone:
-                raise WorkFailed(f"cmake/ninja from PyPI did not work ({', '.join(gone)}). "
-                                 f"Fix: rm -rf {tools_dir(s)} and run again, or apt-get install -y cmake ninja-build")
+                raise WorkFailed(problem(f"cmake and ninja from PyPI in {tools_dir(s)}", "both working",
+                                         f"{', '.join(gone)} not", f"rm -rf {tools_dir(s)} and run again, or "
+                                         "apt-get install -y cmake ninja-build"))
         return self._report(s, ctx.uv, found)
 
     def _install_cmake_ninja(self, s: Settings, found: dict[str, Tool]) -> None:
@@ -188,8 +178,9 @@ class ToolsStep(Step):
                 subprocess.run([sys.executable, "-m", "venv", str(d)], check=True)
                 subprocess.run([str(d / "bin" / "pip"), "install", "--quiet", "cmake>=3.26", "ninja"], check=True)
         except subprocess.CalledProcessError as exc:
-            raise WorkFailed(f"installing cmake and ninja from PyPI failed ({exc}). Fix: check the network, "
-                             "or install them: pip install 'cmake>=3.26' ninja") from None
+            raise WorkFailed(problem(f"the install of cmake and ninja from PyPI into {d}", "exit 0", f"{exc}",
+                                     "check the network, or install them: pip install 'cmake>=3.26' ninja")
+                             ) from None
 
     def _report(self, s: Settings, uv: str | None, found: dict[str, Tool]) -> record.Tools:
         for t in found.values():

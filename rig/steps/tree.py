@@ -12,10 +12,10 @@ import hashlib
 import shutil
 
 from rig import record, series, worktree
-from rig.console import INDENT, say
+from rig.console import say
 from rig.errors import BadInput, problem
 from rig.gitutil import Git
-from rig.steps.pipeline import Context, Status, Step
+from rig.steps.base import Context, Status, Step
 
 
 def ops_obj(repo: Git, rev: str, paths: tuple[str, ...]) -> str:
@@ -122,13 +122,12 @@ class TreeStep(Step):
                 f"{sr.path}", f"an [expected.{built.source}] table", f"none; the series built tree {built.tree}",
                 "if that tree is right, record it: ./build.sh --only tree --accept (or nox -s tree -- --accept)"))
         elif exp.tree != built.tree:
-            raise BadInput(
-                f"tree mismatch for source {built.source}:\n"
-                f"{INDENT}expected {exp.tree} (series.toml [expected.{built.source}], verified {exp.verified})\n"
-                f"{INDENT}built    {built.tree} (base {built.base[:12]} + {len(ctx.patches)} patch(es))\n"
-                f"{INDENT}{ctx.settings.vllm_dir} was left as it was.\n"
-                f"{INDENT}Fix: if the new series is what you want (you added or changed a patch), accept the\n"
-                f"{INDENT}built tree: ./build.sh --only tree --accept (or nox -s tree -- --accept)")
+            raise BadInput(problem(
+                f"the tree of the {built.source} base + the series", f"{exp.tree} (series.toml "
+                f"[expected.{built.source}], verified {exp.verified})", f"{built.tree} (base {built.base[:12]} + "
+                f"{len(ctx.patches)} patch(es)); {ctx.settings.vllm_dir} was left as it was",
+                "if the new series is what you want (you added or changed a patch), accept the built tree: "
+                "./build.sh --only tree --accept (or nox -s tree -- --accept)"))
 
 
 def _outputs(ctx: Context, repo: Git, rec: worktree.TreeRecord) -> record.Tree:

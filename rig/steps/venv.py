@@ -18,7 +18,7 @@ from rig import record, venvs
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
-from rig.steps.pipeline import Context, Status, Step
+from rig.steps.base import Context, Status, Step
 from rig.venvs import WANT, WANT_TEXT
 
 INSTALL_HINT = ("install CPython 3.13 (pyenv install 3.13, or apt-get install python3.13) "
@@ -42,9 +42,9 @@ def probe(python: str) -> tuple[tuple[int, int], str] | None:
     return (int(parts[0]), int(parts[1])), parts[2]
 
 
-def pyenv_pythons() -> list[Path]:
-    """pyenv's installed 3.13 interpreters, newest first."""
-    root = os.environ.get("PYENV_ROOT")
+def pyenv_pythons(root: str | None) -> list[Path]:
+    """pyenv's installed 3.13 interpreters under ``root`` (PYENV_ROOT; None: ``pyenv root``, else ~/.pyenv),
+    newest first."""
     if not root and shutil.which("pyenv"):
         r = subprocess.run(["pyenv", "root"], capture_output=True, text=True)
         root = r.stdout.strip() if r.returncode == 0 else None
@@ -92,7 +92,7 @@ def _find_python(s: Settings, uv: str | None) -> tuple[str, str]:
     which = shutil.which(f"python{WANT_TEXT}")
     if which and (got := probe(which)) and got[0] == WANT:
         return got[1], f"python{WANT_TEXT} on PATH"
-    for exe in pyenv_pythons():
+    for exe in pyenv_pythons(s.pyenv_root):
         got = probe(str(exe))
         if got and got[0] == WANT:
             return got[1], "pyenv's versions"
@@ -100,13 +100,13 @@ def _find_python(s: Settings, uv: str | None) -> tuple[str, str]:
                            "pyenv's versions", "none", INSTALL_HINT))
 
 
-def caches(uv: str | None) -> dict[str, str]:
+def caches(s: Settings, uv: str | None) -> dict[str, str]:
     """The wheel caches of the current user, which the venv installs reuse."""
     out = {}
     if uv:
         r = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True)
         out["uv_cache"] = r.stdout.strip()
-    out["pip_cache"] = os.environ.get("PIP_CACHE_DIR") or str(Path.home() / ".cache" / "pip")
+    out["pip_cache"] = s.pip_cache or str(Path.home() / ".cache" / "pip")
     return out
 
 
@@ -127,7 +127,7 @@ class VenvStep(Step):
         return Status(True, f"{s.venv_dir} has CPython {WANT_TEXT}", self._outputs(ctx))
 
     def describe(self, ctx: Context, outputs: record.Venv) -> list[str]:
-        return [f"{k.replace('_', ' ')}: {v} (reused)" for k, v in caches(ctx.uv).items()]
+        return [f"{k.replace('_', ' ')}: {v} (reused)" for k, v in caches(ctx.settings, ctx.uv).items()]
 
     def run(self, ctx: Context) -> record.Venv:
         s = ctx.settings
@@ -147,7 +147,8 @@ class VenvStep(Step):
                 cmd = [python, "-m", "venv", str(s.venv_dir)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                raise WorkFailed(f"{' '.join(cmd)} failed: {r.stderr.strip()}. Fix: check the Python at {python}")
+                raise WorkFailed(problem(" ".join(cmd), "exit 0", f"exit {r.returncode}: {r.stderr.strip()}",
+                                         f"check the Python at {python}"))
         except BaseException:
             shutil.rmtree(s.venv_dir, ignore_errors=True)
             if old:

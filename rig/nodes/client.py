@@ -1,0 +1,256 @@
+"""What a node says to the head's registry, and how: its build and checkpoint, its role on disk, its calls.
+
+Every node uses it: a worker joins (:func:`join`), waits for the head's go (:func:`wait_go`) and for the head's
+generation (:func:`head_ready`); the head's own rig calls its registry through :func:`call` too
+(rig/nodes/registry.py). ``RIG_STATE/nodes.toml`` (:class:`Role`) says which part this node plays and the pid
+of its registry or agent, so that stop and status find them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import tomli_w
+
+from rig import REPO_ROOT, atomic, netif, raycluster, series, supervise
+from rig.box import Check
+from rig.config import Serve, Settings
+from rig.console import say
+from rig.errors import BadInput, WorkFailed, problem
+from rig.gitutil import Git
+
+BEAT = 1.0  # seconds between an agent's beats
+LOST = 10.0  # a worker with no beat for this long counts as lost; an agent without the head this long stops
+WAIT_LINE = 15.0  # seconds between "still waiting" lines
+LABELS = {"tree": "tree id", "ops_obj": "OPS_OBJ", "device": "device", "cards": "cards",
+          "config": "the checkpoint's config.json sha256", "ray": "Ray"}
+
+
+# -- what a node is: its build and checkpoint --------------------------------------------------------------------
+
+
+def identity(s: Settings, cards: int, ray: bool = False) -> dict:
+    """This node's build and checkpoint, read from the tree and the files themselves (not from a record that
+    could be stale), as the head compares them."""
+    from rig.steps.tree import ops_obj  # the build's tree step (slow to import): only a multi-node start asks
+
+    repo = Git(s.vllm_dir)
+    code, tree, _ = repo.run("rev-parse", "HEAD^{tree}", check=False)
+    ops = ops_obj(repo, "HEAD", series.load(s.patches_dir).ops_paths) if code == 0 else "none"
+    try:
+        config = hashlib.sha256((s.ckpt / "config.json").read_bytes()).hexdigest()
+    except OSError:
+        config = "none"
+    out = {"tree": tree.strip() if code == 0 else "none", "ops_obj": ops, "device": s.device, "cards": cards,
+           "config": config}
+    if ray:  # every node must run the same Ray
+        out["ray"] = raycluster.version(s)
+    return out
+
+
+def differences(head: dict, node: dict) -> list[str]:
+    """Each value the node reports that is not the head's, as 'what: head X, this node Y'."""
+    return [f"{LABELS[k]}: head {head[k]}, this node {node.get(k, 'none')}" for k in LABELS
+            if head.get(k) != node.get(k)]
+
+
+# -- talking to the registry ---------------------------------------------------------------------------------------
+
+
+def url(v: Serve) -> str:
+    return f"http://{v.head_addr}:{v.nodes_port}"
+
+
+def call(base: str, path: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, dict]:
+    """(HTTP status, JSON body); status 0 when the registry cannot be reached."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"{}")
+        except ValueError:
+            return exc.code, {}
+    except (OSError, ValueError) as exc:
+        return 0, {"error": str(getattr(exc, "reason", exc))}
+
+
+# -- this node's role, on disk -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Role:
+    role: str  # head | worker
+    pid: int  # the registry's (head) or the agent's (worker)
+    create_time: float
+    url: str
+    rank: int
+    token: str = ""
+    backend: str = "mp"  # ray: this node's Ray is stopped with it
+
+
+def role_path(s: Settings) -> Path:
+    return s.state_dir / "nodes.toml"
+
+
+def load_role(s: Settings) -> Role | None:
+    try:
+        data = tomllib.loads(role_path(s).read_text())
+        return Role(**{k: data[k] for k in Role.__dataclass_fields__ if k in data})
+    except (FileNotFoundError, tomllib.TOMLDecodeError, TypeError):
+        return None
+
+
+def save_role(s: Settings, role: Role) -> None:
+    atomic.write_text(role_path(s), "# This node's part in a multi-node engine (rig/nodes/).\n"
+                      + tomli_w.dumps(asdict(role)), perms=0o600)  # 0600: the registry's token
+
+
+def _alive(pid: int, create_time: float) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - create_time) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+
+
+def end_helper(s: Settings, timeout: float = 5.0) -> None:
+    """End this node's registry or agent, and forget the role."""
+    role = load_role(s)
+    if role and role.pid != os.getpid() and _alive(role.pid, role.create_time):
+        supervise.terminate(role.pid, timeout)  # each runs in a session of its own: its pid is its group
+    role_path(s).unlink(missing_ok=True)
+
+
+def close(s: Settings, role: Role) -> None:
+    """After this node's engine has ended: its Ray (with Ray), then its registry or agent."""
+    if role.backend == "ray":
+        say(f"ray: {raycluster.stop(s)}")
+    end_helper(s)
+
+
+def spawn(module: str, env: dict[str, str], log: Path, stdin: bytes = b"") -> subprocess.Popen:
+    """``python -m module`` (the registry or the agent) in a session of its own, given ``stdin``; what it says
+    goes to ``log`` (RIG_STATE)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", module], cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    assert proc.stdin
+    with proc.stdin:
+        proc.stdin.write(stdin)
+    return proc
+
+
+def create_time(pid: int) -> float:
+    return psutil.Process(pid).create_time()
+
+
+# -- a worker ------------------------------------------------------------------------------------------------------
+
+
+def join(v: Serve, ident: dict, address: str) -> None:
+    """Report this node's build to the head, waiting for the head and retrying; a refusal is exit 2."""
+    base, t0 = url(v), time.monotonic()
+    last_line = t0
+    say(f"nodes: worker {v.node_rank} of {v.nodes}: joining the head at {base}")
+    while True:
+        code, body = call(base, "/join", {"rank": v.node_rank, "identity": ident, "address": address})
+        if code == 200:
+            say(f"nodes: joined the head in {time.monotonic() - t0:.0f} s (same build and checkpoint)")
+            return
+        if code in (400, 409):
+            raise BadInput(problem(f"worker {v.node_rank} at the head {base}", "a place among the head's nodes, with "
+                                   "its build and checkpoint", f"a refusal: {body.get('error')}", "run ./build.sh "
+                                   "here from the head's commit, with its checkpoint and settings"))
+        now = time.monotonic()
+        if now - t0 > v.start_timeout:
+            raise WorkFailed(problem(f"the head's registry at {base}", "an answer", f"none: it did not answer within "
+                                     f"START_TIMEOUT={v.start_timeout} s (last: {body.get('error') or code})",
+                                     "start the head (NODE_RANK=0) first, or check HEAD_ADDR and NODES_PORT"))
+        if now - last_line >= WAIT_LINE:
+            last_line = now
+            say(f"nodes: waiting for the head at {base}: {now - t0:.0f} s ({body.get('error') or code})")
+        time.sleep(1.0)
+
+
+def wait_go(v: Serve) -> None:
+    """Until the head has started its engine (the workers' engines connect to it)."""
+    base, t0 = url(v), time.monotonic()
+    while True:
+        code, st = call(base, "/state")
+        if code == 200 and st["stop"]:
+            raise WorkFailed(_head_stopped("before"))
+        if code == 200 and st["go"]:
+            return
+        if time.monotonic() - t0 > v.start_timeout:
+            raise WorkFailed(problem("the head's engine", f"started within START_TIMEOUT={v.start_timeout} s",
+                                     "not started", "see the head's start: it says what it waits for"))
+        time.sleep(0.5)
+
+
+def head_ready(v: Serve) -> tuple[bool, str]:
+    """The worker's health while it starts: the head's API answered a generation through every node."""
+    code, st = call(url(v), "/state", timeout=2)
+    if code != 200:
+        return False, f"the head's registry does not answer ({st.get('error')})"
+    if st["stop"]:
+        raise WorkFailed(_head_stopped("while"))
+    return (True, "the head's API generated through every node") if st["ready"] else \
+        (False, "waiting for the head's API to answer a generation")
+
+
+def _head_stopped(when: str) -> str:
+    return problem("the head", "its engine running, for this node's to join it", f"a stop {when} this node's engine "
+                   "started", "start the head again, then this node")
+
+
+# -- nox -s doctor ---------------------------------------------------------------------------------------------------
+
+
+def doctor_checks(s: Settings, v: Serve) -> list[Check]:
+    """``nox -s doctor`` on a multi-node setting: what this node needs of the others (run it on each)."""
+    role = "the head" if v.node_rank == 0 else f"worker {v.node_rank}"
+    out = [Check("nodes", "pass", f"NODES={v.nodes}, NODE_RANK 0 to {v.nodes - 1}",
+                 f"this node is {role} ({v.dist_backend})")]
+    try:
+        iface = netif.choose(v.net_iface, v.head_addr, v.head_port)
+        public = not netif.private(iface.address)
+        out.append(Check("interface", "warn" if public else "pass", "a private address on the way to the head",
+                         f"{iface.name} {iface.address} ({iface.how})", "keep the nodes on a private network: "
+                         "their traffic is unencrypted"))
+    except BadInput as exc:
+        out.append(Check("interface", "fail", f"an interface that reaches HEAD_ADDR={v.head_addr}", "none",
+                         exc.message))
+    if v.node_rank:
+        code, body = call(url(v), "/state", timeout=3)
+        out.append(Check("head", "pass" if code == 200 else "warn", f"the head's registry at {url(v)}",
+                         "answers" if code == 200 else f"no answer ({body.get('error')})",
+                         "start the head (a worker waits for it, so this is only a warning before it is up)"))
+    else:
+        with socket.socket() as sock:
+            try:
+                sock.bind((v.head_addr, v.head_port))
+                free, found = True, "free"
+            except OSError as exc:
+                free, found = False, f"in use or not this node's address ({exc.strerror})"
+        out.append(Check("master port", "pass" if free else "fail", f"{v.head_addr}:{v.head_port} free for vLLM's "
+                         "master (HEAD_PORT)", found, "stop what listens there, or set HEAD_PORT on every node"))
+    if v.dist_backend == "ray":
+        have, want = raycluster.version(s), raycluster.RAY.split("==", 1)[1]
+        out.append(Check("ray", "pass" if have == want else "warn", f"Ray {want} (scripts/ray.lock) on every node",
+                         have, "./start.sh installs it; every node must run the same version"))
+    return out

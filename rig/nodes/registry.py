@@ -1,0 +1,217 @@
+"""The head's node registry; run as a script on purpose (``python -m rig.nodes.registry``, a process of its own).
+
+The head's rig spawns it (:func:`open_registry`) in a session of its own, so that it outlives a detached start:
+a small HTTP service on ``HEAD_ADDR:NODES_PORT`` that holds, in memory, which workers joined with the head's
+build (:class:`Registry`), their beats, and the head's flags (go, ready, stop). Its settings come on stdin (the
+token among them, so that no other user's process sees it). The rest of this module is the head's side of it:
+waiting for the workers, telling them, and the lines ``status`` prints from their beats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from rig.config import Serve, Settings
+from rig.console import say
+from rig.errors import BadInput, WorkFailed, problem
+from rig.nodes import client
+from rig.nodes.client import Role, call
+
+
+class Registry:
+    """The head's view of the nodes, kept in memory by the registry process."""
+
+    def __init__(self, nodes: int, head: dict, token: str) -> None:
+        self.nodes, self.head, self.token = nodes, head, token
+        self.members: dict[int, dict] = {}
+        self.refused: dict[int, str] = {}
+        self.flags = {"go": False, "ready": False, "stop": False}
+        self.lock = threading.Lock()
+
+    def state(self) -> dict:
+        with self.lock:
+            return {"nodes": self.nodes, **self.flags, "now": time.time(),
+                    "members": {str(r): m for r, m in self.members.items()},
+                    "refused": {str(r): m for r, m in self.refused.items()}}
+
+    def join(self, body: dict) -> tuple[int, dict]:
+        rank = body.get("rank")
+        if not isinstance(rank, int) or not 0 < rank < self.nodes:
+            return 400, {"error": f"NODE_RANK: expected 1 to {self.nodes - 1} (NODES={self.nodes} at the head), "
+                                  f"found {rank}"}
+        diff = client.differences(self.head, body.get("identity") or {})
+        with self.lock:
+            if diff:
+                self.refused[rank] = "; ".join(diff)
+                return 409, {"error": f"node {rank} ({body.get('address')}) differs from the head: "
+                                      f"{'; '.join(diff)}"}
+            self.refused.pop(rank, None)
+            now = time.time()
+            self.members[rank] = {"address": body.get("address", ""), "joined": now, "beat": now,
+                                  "engine": "waiting", "detail": ""}
+            return 200, {"ok": True, **self.flags}
+
+    def beat(self, body: dict) -> tuple[int, dict]:
+        with self.lock:
+            member = self.members.get(body.get("rank"))
+            if member is None:
+                return 404, {"error": "not joined"}
+            member.update(beat=time.time(), engine=body.get("engine", "?"), detail=body.get("detail", ""))
+            return 200, dict(self.flags)
+
+    def control(self, body: dict) -> tuple[int, dict]:
+        if body.get("token") != self.token or body.get("action") not in self.flags:
+            return 403, {"error": "the head's rig only"}
+        with self.lock:
+            self.flags[body["action"]] = True
+        return 200, dict(self.flags)
+
+
+def _handler(reg: Registry) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, data: dict) -> None:
+            raw = json.dumps(data).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self._send(*((200, reg.state()) if self.path == "/state" else (404, {"error": self.path})))
+
+        def do_POST(self) -> None:  # noqa: N802
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            except ValueError:
+                body = {}
+            route = {"/join": reg.join, "/beat": reg.beat, "/control": reg.control}.get(self.path)
+            self._send(*(route(body) if route and isinstance(body, dict) else (404, {"error": self.path})))
+
+        def log_message(self, *args: object) -> None:  # the registry's own log stays quiet
+            pass
+
+    return Handler
+
+
+def main() -> None:
+    """The registry process: its settings from stdin (what :func:`open_registry` wrote), then serve forever."""
+    conf = json.loads(sys.stdin.read())
+    reg = Registry(conf["nodes"], conf["identity"], conf["token"])
+    ThreadingHTTPServer((conf["bind"], conf["port"]), _handler(reg)).serve_forever()
+
+
+# -- the head's side -------------------------------------------------------------------------------------------------
+
+
+def open_registry(s: Settings, v: Serve, ident: dict, bind: str) -> Role:
+    """Start the registry for this head's engine, and wait until it answers."""
+    client.end_helper(s)  # an earlier head's, left by a crash
+    token = secrets.token_hex(16)
+    conf = {"nodes": v.nodes, "identity": ident, "token": token, "bind": bind, "port": v.nodes_port}
+    proc = client.spawn("rig.nodes.registry", dict(os.environ), s.state_dir / "registry.log",
+                        json.dumps(conf).encode())
+    base = f"http://{bind}:{v.nodes_port}"
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        if call(base, "/state", timeout=1)[0] == 200:
+            role = Role("head", proc.pid, client.create_time(proc.pid), base, 0, token, v.dist_backend)
+            client.save_role(s, role)
+            say(f"nodes: registry on {bind}:{v.nodes_port} (pid {proc.pid}); waiting for {v.nodes - 1} worker(s)")
+            return role
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise BadInput(problem(f"NODES_PORT={v.nodes_port} on {bind}", "free, for the rig's node registry",
+                           "in use, or the address is not this node's", "set NODES_PORT to a free port on every "
+                           "node, or HEAD_ADDR to this node's own address"))
+
+
+def wait_for_workers(v: Serve, role: Role) -> None:
+    """Until every worker has joined with the head's build; a node that differs ends the start (exit 2)."""
+    t0 = time.monotonic()
+    last_line = t0
+    want = set(range(1, v.nodes))
+    while True:
+        code, st = call(role.url, "/state")
+        if code == 200:
+            if st["refused"]:
+                raise BadInput("; ".join(problem(f"node {r}", "the head's build and checkpoint", m, "run ./build.sh "
+                                                 "on that node from the same commit, with the same checkpoint "
+                                                 "(nox -s verify installs the head's artifacts/)")
+                                         for r, m in sorted(st["refused"].items())))
+            joined = {int(r) for r in st["members"]}
+            if want <= joined:
+                say(f"nodes: all {v.nodes - 1} worker(s) joined in {time.monotonic() - t0:.0f} s, each with this "
+                    "node's build and checkpoint")
+                return
+        now = time.monotonic()
+        if now - t0 > v.start_timeout:
+            missing = sorted(want - (joined if code == 200 else set()))
+            raise WorkFailed(problem(f"worker(s) {', '.join(map(str, missing))}", f"a join within START_TIMEOUT="
+                                     f"{v.start_timeout} s", "none", "start them (./start.sh with NODE_RANK set) and "
+                                     f"check that they reach {role.url}"))
+        if now - last_line >= client.WAIT_LINE:
+            last_line = now
+            have = sorted(joined) if code == 200 else []
+            say(f"nodes: waiting for workers: {now - t0:.0f} s, joined {have or 'none yet'} of "
+                f"{sorted(want)}")
+        time.sleep(0.5)
+
+
+def tell(role: Role, action: str) -> None:
+    call(role.url, "/control", {"token": role.token, "action": action})
+
+
+def stop_workers(role: Role, timeout: float) -> list[str]:
+    """Tell every worker to stop, and wait until each has left (or is lost); lines saying how each ended."""
+    tell(role, "stop")
+    end = time.monotonic() + timeout
+    while True:
+        code, st = call(role.url, "/state")
+        if code != 200:
+            return ["the registry did not answer: each worker's agent stops its engine when the head is gone"]
+        lost = client.LOST
+        pending = {r: m for r, m in st["members"].items() if m["engine"] != "left" and st["now"] - m["beat"] < lost}
+        if not pending or time.monotonic() > end:
+            return [f"node {r}: " + ("stopped" if m["engine"] == "left" else
+                                     "still stopping" if r in pending else f"lost (no beat for {lost:.0f} s)")
+                    for r, m in sorted(st["members"].items())]
+        time.sleep(0.2)
+
+
+def node_lines(role: Role) -> tuple[bool, list[str]]:
+    """(every worker's engine runs, a line per node) from the registry's beats."""
+    code, st = call(role.url, "/state")
+    if code != 200:
+        return False, [f"the node registry at {role.url} does not answer ({st.get('error')})"]
+    ok, lines = True, []
+    for r in range(1, st["nodes"]):
+        m = st["members"].get(str(r))
+        if m is None:
+            ok = False
+            lines.append(f"node {r}: not joined" + (f" (refused: {st['refused'][str(r)]})" if str(r) in
+                                                     st["refused"] else ""))
+            continue
+        age = st["now"] - m["beat"]
+        if age > client.LOST:
+            ok = False
+            lines.append(f"node {r} ({m['address']}): LOST, no beat for {age:.0f} s (its agent is gone)")
+        elif m["engine"] != "running":
+            ok = False
+            lines.append(f"node {r} ({m['address']}): engine {m['engine'].upper()}"
+                         + (f" ({m['detail']})" if m["detail"] else "") + f", reported {age:.1f} s ago")
+        else:
+            lines.append(f"node {r} ({m['address']}): engine running, beat {age:.1f} s ago")
+    return ok, lines
+
+
+if __name__ == "__main__":
+    main()
