@@ -8,12 +8,11 @@ container's verify reads both before the rig's dependencies exist.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import atomic
+from rig import atomic, products
 from rig.artifacts import Refused
 from rig.errors import problem
 
@@ -31,7 +30,7 @@ class Expected:
 
 
 def read_expected(path: Path) -> Expected:
-    """The ops step's record (``vllm/.build-products``, TOML) or a precompiled list (``sha256 size name`` lines
+    """The ops step's record (``vllm/.build-products``, JSON) or a precompiled list (``sha256 size name`` lines
     under ``# key: value`` headers)."""
     try:
         text = path.read_text()
@@ -39,8 +38,8 @@ def read_expected(path: Path) -> Expected:
         raise Refused(problem(f"{path}", "the list of this tree's kernels, readable", f"{exc.strerror}",
                               "run ./build.sh, or restore the list from git")) from None
     try:
-        rec = tomllib.loads(text)  # the ops step's record is TOML; a list is not
-    except tomllib.TOMLDecodeError:
+        rec = products.loads(text)  # the ops step's record is JSON (or TOML); a list is neither
+    except ValueError:  # TOMLDecodeError is one
         rec = None
     if rec is not None:
         try:

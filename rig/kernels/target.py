@@ -8,6 +8,7 @@ build reads it before the rig's dependencies exist.
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,14 @@ class KernelTarget:
     cuda: str
     torch: str
     route: str | None
-    expected: Expected | None
+    listed: Path | None  # where this tree's kernels are listed (see ``expected``)
     vllm_dir: Path
+
+    @functools.cached_property
+    def expected(self) -> Expected | None:
+        """This tree's kernels, read when a check needs them: a no-op build's pack check never does (the list
+        of a build's 2,000 files is most of a no-op's time)."""
+        return read_expected(self.listed) if self.listed else None
 
     def facts(self) -> dict[str, str]:
         """What a manifest records of the target, as :data:`FACTS` names them."""
@@ -73,7 +80,7 @@ def of_build(s: Settings, rec: BuildRecord) -> KernelTarget:
                         python=f"{minor[0]}.{minor[1]}",
                         cuda="none" if cpu else rec.toolchain.torch_cuda.split(".")[0], torch=torch,
                         route=rec.ops.route if rec.ops else None,
-                        expected=read_expected(listed) if listed else None, vllm_dir=s.vllm_dir)
+                        listed=listed, vllm_dir=s.vllm_dir)
 
 
 def _expected(s: Settings, rec: BuildRecord) -> Path | None:
