@@ -17,7 +17,7 @@ import pytest
 import tomli_w
 from conftest import ROOT
 
-from rig import artifacts, config, leftovers, verify
+from rig import artifacts, config, leftovers, products, verify
 from rig.errors import BadInput, WorkFailed
 from rig.kernels.expected import write_list
 
@@ -521,3 +521,16 @@ def test_a_killed_verify_leaves_its_scratch_to_the_next_one(packed, tmp_path):
 def test_check_space_names_what_is_needed_and_free(tmp_path):
     with pytest.raises(WorkFailed, match=r"expected \d+ MB free for the kernels, found \d+ MB free"):
         verify.check_space(tmp_path, 1 << 60)
+
+
+def test_the_kernels_record_is_json_and_an_older_toml_one_still_reads(tmp_path):
+    rec = products.Record({"route": "compile", "ops_obj": "ab" * 32}, {"vllm/_C.abi3.so": {
+        "sha256": "cd" * 32, "size": 3, "mtime_ns": 7}})
+    products.write(tmp_path, rec)
+    assert (tmp_path / products.RECORD).read_text().startswith("{")
+    assert products.read(tmp_path) == rec
+    (tmp_path / products.RECORD).write_text("# an older build's\n" + tomli_w.dumps({"facts": rec.facts,
+                                                                                   "files": rec.files}))
+    assert products.read(tmp_path) == rec  # a rewritten file is read again, not taken from the cache
+    (tmp_path / products.RECORD).write_text("neither {")
+    assert products.read(tmp_path) is None
