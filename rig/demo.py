@@ -1,5 +1,7 @@
-"""The demo model: a tiny Qwen3-architecture checkpoint the rig makes on the box, so the whole serve path runs
-anywhere with the real engine.
+"""The demo model, made by this module run as a script on purpose (the serving venv's ``python -m rig.demo``).
+
+A tiny Qwen3-architecture checkpoint the rig makes on the box, so the whole serve path runs anywhere with the
+real engine.
 
 Random weights (seeded), 2 layers, hidden 256, 4 heads of size 64 (a head size vLLM's CPU attention supports),
 a byte-level BPE tokenizer trained with ``tokenizers`` on the prose rig/prose.py generates, and a ChatML chat

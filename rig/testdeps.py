@@ -1,4 +1,4 @@
-"""What the test suite needs from the system, installed by the project itself (``nox -s tests``).
+"""Run as a script on purpose (``python -m rig.testdeps``, by ``nox -s tests``): what the suite needs from the system.
 
 The integration tests drive real tools: ccache from Debian's packages is one
 of them, zstd another. On a fresh machine (CI) it is installed with apt-get when we are
