@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from rig import prose
-from rig.errors import WorkFailed
+from rig.errors import WorkFailed, problem
 
 SEED = 1661
 VOCAB = 2048
@@ -109,8 +109,10 @@ def ensure(python: Path, folder: Path, root: Path) -> tuple[bool, float]:
         r = subprocess.run([str(python), "-m", "rig.demo", str(tmp)], cwd=root, env=env, capture_output=True,
                            text=True)
         if r.returncode != 0:
-            raise WorkFailed(f"making the demo model failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}. Fix: "
-                             f"./build.sh (the venv {python.parent.parent} needs torch, transformers, tokenizers)")
+            raise WorkFailed(problem(f"the demo model ({python} -m rig.demo)", "made",
+                                     (r.stderr.strip().splitlines() or ["no output"])[-1],
+                                     f"./build.sh (the venv {python.parent.parent} needs torch, transformers, "
+                                     "tokenizers)"))
         _json(tmp / MARK, {"seed": SEED, "shape": SHAPE, "files": digest(tmp)})
         if folder.exists():
             shutil.rmtree(folder)  # an incomplete one (no mark): the rig's own, never trusted

@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from rig.errors import WorkFailed
+from rig.errors import WorkFailed, problem
 
 IDENTITY = {
     "GIT_AUTHOR_NAME": "vllm-rig",
@@ -57,7 +57,9 @@ class Git:
         except subprocess.TimeoutExpired:
             status, out, err = 124, "", f"no answer within {timeout} s"
         if check and status != 0:
-            raise WorkFailed(f"git {' '.join(args)} failed in {self.path} (exit {status}): {err.strip()}")
+            raise WorkFailed(problem(f"git {' '.join(args)} in {self.path}", "exit 0",
+                                     f"exit {status}: {err.strip() or 'no message'}",
+                                     "see git's message; a network command may pass when run again"))
         return status, out, err
 
     def out(self, *args: str, **kw) -> str:

@@ -108,8 +108,8 @@ def _systemctl(t: Target, *args: str, check: bool = True) -> int:
     _require_systemd(t, f"systemctl {' '.join(args)}")
     r = subprocess.run(["systemctl", *args])
     if check and r.returncode != 0:
-        raise WorkFailed(f"systemctl {' '.join(args)} failed with exit {r.returncode}: "
-                         "journalctl -u vllm -n 50 tells why")
+        raise WorkFailed(problem(f"systemctl {' '.join(args)}", "exit 0", f"exit {r.returncode}",
+                                 "journalctl -u vllm -n 50 tells why"))
     return r.returncode
 
 
@@ -204,7 +204,9 @@ def run(s: config.Settings, verb: str, root: str | None, lines: int, node_rank: 
         _require_systemd(t, "service update")  # before a build that could take an hour
         r = subprocess.run([str(REPO_ROOT / "build.sh")])
         if r.returncode != 0:
-            raise WorkFailed(f"./build.sh failed (exit {r.returncode}); the service was left as it runs")
+            raise WorkFailed(problem("./build.sh for the update", "exit 0", f"exit {r.returncode} (its output is "
+                                     "above)", "fix what it names and update again; the service was left as it "
+                                     "runs"))
         return _systemctl(t, "restart", "vllm.service")
     if verb == "status":
         return _systemctl(t, "status", "--no-pager", "vllm.service", check=False)

@@ -83,8 +83,9 @@ def _http_failure(url: str, exc: OSError, fix: str) -> Exception:
     network (exit 1: running again may pass)."""
     if isinstance(exc, urllib.error.HTTPError) and 400 <= exc.code < 500:
         return BadInput(problem(url, "a file the index serves", f"HTTP {exc.code} {exc.reason}", fix))
-    return WorkFailed(f"{url}: {type(exc).__name__}: {exc}. Fix: check the network (a proxy's CA must be in "
-                      "the system's certificate store, which the rig trusts) or INDEX_URL, and run again")
+    return WorkFailed(problem(url, "an answer", f"{type(exc).__name__}: {exc}", "check the network (a proxy's CA "
+                              "must be in the system's certificate store, which the rig trusts) or INDEX_URL, and "
+                              "run again"))
 
 
 def index_link(index_url: str, filename: str) -> tuple[str, str]:

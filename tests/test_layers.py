@@ -142,3 +142,34 @@ def test_the_checker_sees_an_upward_import_and_a_circle(tmp_path, monkeypatch):
     names = {"low", "high"}
     low, high = rig_imports("low", tmp_path / "low.py", names), rig_imports("high", tmp_path / "high.py", names)
     assert low == [("high", 1, False, True)] and high == [("low", 2, True, False)]
+
+
+# -- one voice ---------------------------------------------------------------------------------------------------
+
+ERRORS = ("BadInput", "WorkFailed", "Refused", "RigError")
+#: Runs before the rig exists (standard library only, its own usage line): the one print outside console.py.
+PRINTS_ON_ITS_OWN = {"console.py", "logpump.py"}
+
+
+def voice_breaks(path: Path) -> list[str]:
+    """A print() outside console.py, and an error raised with text written on the spot instead of problem()'s
+    item, expected, found and fix (a variable or a join of problems passes: problem() made them)."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)):
+            continue
+        if n.func.id == "print" and path.name not in PRINTS_ON_ITS_OWN:
+            out.append(f"{path.name}:{n.lineno} print()")
+        if n.func.id in ERRORS and n.args and isinstance(n.args[0], ast.JoinedStr | ast.Constant):
+            out.append(f"{path.name}:{n.lineno} {n.func.id} with free text")
+    return out
+
+
+def test_one_voice_every_message_through_console_and_every_refusal_through_problem():
+    assert [b for p in sorted(RIG.rglob("*.py")) for b in voice_breaks(p)] == []
+
+
+def test_the_voice_check_sees_a_print_and_free_text(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("print('hi')\nraise WorkFailed(f'it broke: {x}')\nraise BadInput(problem('a', 'b', 'c', 'd'))\n")
+    assert voice_breaks(bad) == ["bad.py:1 print()", "bad.py:2 WorkFailed with free text"]
