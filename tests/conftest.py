@@ -14,6 +14,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 import tomli_w
 
@@ -278,3 +279,18 @@ def pytest_collection_modifyitems(session, config, items):
     so every test that asserts on those copies' first builds runs before them."""
     last = {id(i) for i in items if i.path.name == "test_benchmarks.py" and i.get_closest_marker("slow")}
     items[:] = [i for i in items if id(i) not in last] + [i for i in items if id(i) in last]
+
+
+def engine_like(match) -> list[psutil.Process]:  # noqa: ANN001 - (process, its command line) -> bool
+    """Live processes (zombies aside) that ``match`` accepts, or named like vLLM's engine core and workers."""
+    out = []
+    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if match(p, cmd) or "VLLM::" in (p.info["name"] or "") or "VLLM::" in cmd:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out

@@ -21,9 +21,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import ROOT
+from conftest import ROOT, engine_like
 
 from rig import uv
 
@@ -133,17 +132,8 @@ def test_every_benchmark_imports_and_has_a_quick_mode(name):
 
 def leftover_engines(rig: Path) -> list[str]:
     """Processes of an engine served from ``rig``'s venvs (or named like vLLM's engine core), zombies aside."""
-    out = []
-    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            cmd = " ".join(p.info["cmdline"] or [])
-            if str(rig / ".venv") in cmd or "VLLM::" in (p.info["name"] or "") or "VLLM::" in cmd:
-                out.append(f"{p.pid} {cmd[:120]}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
+    return [f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}"
+            for p in engine_like(lambda p, cmd: str(rig / ".venv") in cmd)]
 
 
 @pytest.fixture(scope="session")

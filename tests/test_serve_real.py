@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import engine_like
 
 from rig import demo
 
@@ -67,17 +68,7 @@ def nox(dest: Path, env: dict, *args: str, timeout: float = 600) -> subprocess.C
 
 def engine_processes(pgid: int) -> list[psutil.Process]:
     """Every process of the engine: in its process group, or named like vLLM's engine and workers."""
-    out = []
-    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            cmd = " ".join(p.info["cmdline"] or [])
-            if os_pgid(p.pid) == pgid or "VLLM::" in (p.info["name"] or "") or "VLLM::" in cmd:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
+    return engine_like(lambda p, cmd: os_pgid(p.pid) == pgid)
 
 
 def os_pgid(pid: int) -> int:
