@@ -41,11 +41,10 @@ from timing import median_time, timed  # noqa: E402 - benchmarks/timing.py
 
 from rig.config import serve_settings, settings  # noqa: E402
 from rig.demo import ensure as ensure_demo  # noqa: E402
-from rig.engine import command  # noqa: E402
 from rig.health import health  # noqa: E402
 from rig.profiles import load as load_profile  # noqa: E402
+from rig.serve import BoxReport, plan  # noqa: E402
 from rig.supervise import terminate  # noqa: E402
-from rig.topology import choose  # noqa: E402
 
 
 def free_port() -> int:
@@ -59,7 +58,7 @@ def bare_serve(rig: Path, env: dict[str, str]) -> float:
     with the rig's one-token request until it answers; the seconds that took. The engine is then stopped."""
     s, v = settings(env, root=rig), serve_settings(env, root=rig)
     p = load_profile(s.profile, rig / "models")
-    eng = command(s, v, choose([0], {}), None, p)
+    eng = plan(s, v, p, BoxReport(None, checked=False)).engine  # the rig's own plan: what ./start.sh runs
     t0 = time.perf_counter()
     proc = subprocess.Popen(eng.argv, env=eng.full_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, cwd="/")

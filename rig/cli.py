@@ -121,8 +121,10 @@ def _lock(a: Args) -> int:
     ctx = _use("steps.pipeline").context(config.settings())
     runtime = _use("steps.runtime")
     if a.ray:
-        return runtime.lock_ray(ctx.settings, ctx.uv)
-    return runtime.lock_main(ctx.settings, ctx.uv, ctx.series.version)
+        runtime.lock_ray(ctx.settings, ctx.uv)
+    else:
+        runtime.lock_main(ctx.settings, ctx.uv, ctx.series.version)
+    return 0
 
 
 def _patches_arguments(p: argparse.ArgumentParser) -> None:
