@@ -208,7 +208,8 @@ def make_lock(s: Settings, uv: str | None, out: Path, inputs: list[str], python:
     ``constraint``, when given); return pin count."""
     if not uv:
         raise BadInput(problem("uv", "on PATH (nox -s lock resolves with uv pip compile)", "not found or UV=0",
-                               "install uv: python3 -m pip install --user uv"))
+                               "run it as scripts/nox.sh -s lock (the wrapper brings the pinned uv), or point UV at "
+                               "a uv"))
     src = out.with_suffix(".in")
     atomic.write_text(src, f"# The inputs of {out.name} (nox -s lock).\n" + "\n".join(inputs) + "\n")
     cmd = [uv, "pip", "compile", "--quiet", "--generate-hashes", "--no-header", "--no-annotate",
