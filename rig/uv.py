@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rig import REPO_ROOT
 from rig.config import Settings
+from rig.console import note
 from rig.errors import BadInput, WorkFailed, problem
 
 
@@ -63,5 +64,6 @@ def find(root: Path = REPO_ROOT, env: Mapping[str, str] | None = None) -> str:
     if r.returncode != 0 or not found:
         message = r.stderr.strip().removeprefix("error: ") or f"scripts/bootstrap_uv.py exited {r.returncode}"
         raise (BadInput if r.returncode == 2 else WorkFailed)(message)
-    sys.stderr.write(r.stderr)  # its one line: uv not found, fetching it (and where to)
+    if r.stderr.strip():
+        note(r.stderr.rstrip())  # its one line: uv not found, fetching it (and where to)
     return found[-1]

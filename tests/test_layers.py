@@ -156,6 +156,9 @@ def voice_breaks(path: Path) -> list[str]:
     item, expected, found and fix (a variable or a join of problems passes: problem() made them)."""
     out = []
     for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call) and path.name not in PRINTS_ON_ITS_OWN and \
+                ast.unparse(n.func) in ("sys.stdout.write", "sys.stderr.write"):
+            out.append(f"{path.name}:{n.lineno} {ast.unparse(n.func)}()")
         if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)):
             continue
         if n.func.id == "print" and path.name not in PRINTS_ON_ITS_OWN:
@@ -171,5 +174,7 @@ def test_one_voice_every_message_through_console_and_every_refusal_through_probl
 
 def test_the_voice_check_sees_a_print_and_free_text(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("print('hi')\nraise WorkFailed(f'it broke: {x}')\nraise BadInput(problem('a', 'b', 'c', 'd'))\n")
-    assert voice_breaks(bad) == ["bad.py:1 print()", "bad.py:2 WorkFailed with free text"]
+    bad.write_text("print('hi')\nraise WorkFailed(f'it broke: {x}')\nraise BadInput(problem('a', 'b', 'c', 'd'))\n"
+                   "sys.stderr.write('x')\n")
+    assert voice_breaks(bad) == ["bad.py:1 print()", "bad.py:2 WorkFailed with free text",
+                                 "bad.py:4 sys.stderr.write()"]

@@ -7,9 +7,9 @@ run share one pin, and so the API key handling of the launch lives in one place.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
+from rig.console import plain
 from rig.errors import BadInput, problem
 
 TOOL = "llama-benchy==0.4.0"
@@ -48,8 +48,7 @@ def run_tool(cmd: list[str], env: dict[str, str], own_book: bool) -> tuple[int, 
                           bufsize=1) as p:
         assert p.stdout is not None
         for line in p.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            plain(line.rstrip("\n"))
             out.append(line)
             if own_book and line.startswith(CACHED):
                 Path(line.removeprefix(CACHED).strip()).unlink(missing_ok=True)
