@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12", "packaging>=24"]
 # ///
 """./build.sh on the real tree: a no-op re-run, and a rebuild after a Python-only patch.
 

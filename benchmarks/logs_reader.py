@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12", "packaging>=24"]
 # ///
 """The log reader: lines parsed per second on a 1,000,000-line log against `wc -l` of the same file,
 and follow-mode latency from a write to the printed line (targets >= 300k lines/s, <= 200 ms).

@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12", "packaging>=24"]
 # ///
 """Two nodes of the demo on this box against one, on this repository's CPU build (run `DEVICE=cpu ./build.sh`
 first). Each rank gets its own state folder and core, as tests/test_serve_real.py runs them.

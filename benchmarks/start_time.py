@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12", "packaging>=24"]
 # ///
 """How long ./start.sh takes before the engine runs, and what one health check costs.
 

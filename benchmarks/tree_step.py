@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12"]
+# dependencies = ["tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12", "packaging>=24"]
 # ///
 """The tree step on the real vLLM v0.30.0 sdist tree, against `git write-tree` of the same tree.
 

@@ -225,6 +225,8 @@ def check_target(manifest: dict, target: dict[str, str | None]) -> None:
         found = manifest.get(key)
         if key == "arch":
             ok, expected = archs(want) <= archs(str(found)), f"architectures that include {want!r}"
+        elif key == "python":  # "abi3", or the minors the kernels have a build for ("3.12" in "3.10 3.11 3.12")
+            ok, expected = str(found) == "abi3" or want in str(found).split(), f"kernels that load under {want!r}"
         else:
             ok, expected = str(found) == str(want), repr(want)
         if not ok:

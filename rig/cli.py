@@ -88,6 +88,24 @@ def _tree_arguments(p: argparse.ArgumentParser) -> None:
 def _pack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="pack again even when artifacts/ is current")
     p.add_argument("--verify", action="store_true", help="re-hash the tarball when checking artifacts/")
+    p.add_argument("--offline", type=Path, metavar="DIR", help="then write the offline bundle into DIR: the tree, "
+                   "the kernels, the wheels, uv and nox, for OFFLINE=DIR ./build.sh on a box with no network")
+    p.add_argument("--part-size", metavar="SIZE", help="with --offline: no file larger than SIZE (50M, 1G): big ones "
+                   "are cut into parts, joined again when the bundle is opened")
+    p.add_argument("--python", metavar="X.Y", help="with --offline: the offline box's CPython minor (default: this "
+                   "venv's), whose wheels the bundle carries")
+
+
+def _pack(a: Args) -> int:
+    if (a.part_size or a.python) and not a.offline:
+        raise BadInput(problem("--part-size/--python", "given with --offline DIR", "without it",
+                               "add --offline DIR, or drop them"))
+    size = _use("bundle").parse_size(a.part_size) if a.part_size else None
+    _steps("pack", ["pack"])(a)
+    if a.offline:
+        ctx = _use("steps.pipeline").context(config.settings())
+        _use("bundlewrite").write(ctx.settings, a.offline, size, a.python, ctx.uv)
+    return 0
 
 
 def _steps(what: str, only: list[str] | None = None) -> Callable[[Args], int]:
@@ -234,7 +252,7 @@ COMMANDS: dict[str, Command] = {
     "tree": Command("nox -s tree --", "Step 2 alone: make vllm/ = upstream tag + patches/, checked.",
                     _steps("tree", ["tree"]), _tree_arguments, _steps_and_variables),
     "pack": Command("nox -s pack --", "Step 8 alone: pack the built kernels into ARTIFACTS_DIR.",
-                    _steps("pack", ["pack"]), _pack_arguments, _steps_and_variables),
+                    _pack, _pack_arguments, _steps_and_variables),
     "verify": Command("nox -s verify --", "Check ARTIFACTS_DIR (or --artifacts) against this box's target (OPS_OBJ, "
                       "architecture, CPython, CUDA, torch) by the same check the container build runs; installs "
                       "into --dest, or a scratch folder.", _verify, _verify_arguments),

@@ -46,6 +46,7 @@ SOURCES = ("auto", "git", "sdist")
 ROUTES = ("auto", "precompiled", "compile")
 GUARDS = ("warn", "off", "raise")
 DEVICES = ("cuda", "cpu")
+TORCHES = ("pinned", "host")
 
 #: The download cache: a row of its own, since the profile's checkpoint default is written in terms of it.
 RIG_CACHE = Var("RIG_CACHE", "~/.cache/vllm-rig", "Downloads kept between runs (the vLLM sdist).", path, "cache")
@@ -91,8 +92,16 @@ VARS: tuple[Var, ...] = (
     Var("VLLM_DIR", "`vllm` (`vllm-cpu` with `DEVICE=cpu`)",
         "The serving tree: the upstream base plus the series, a git repository.", per_device("vllm", "vllm-cpu"),
         "vllm_dir", derived=True, service=True),
-    Var("PYTHON", "unset", "The CPython 3.13 for the venv; unset: `UV_PYTHON`, uv's discovery, then pyenv's versions.",
+    Var("PYTHON", "unset", "The CPython 3.13 for the venv; unset: `UV_PYTHON`, uv's discovery, then pyenv's versions. "
+        "With `TORCH=host`: the interpreter whose torch the venv stands on (any minor; required).",
         python, "python", derived=True),
+    Var("TORCH", "pinned", "`pinned`: the lock's torch, installed into the venv; `host`: the torch already installed "
+        "for `PYTHON` (an NGC image, a site build), which the venv stands on: the lock is installed less the torch "
+        "family (torch, torchvision, torchaudio, triton, the CUDA `nvidia-*` wheels).", choice(*TORCHES), "torch",
+        service=True),
+    Var("OFFLINE", "unset", "A bundle folder written by `nox -s pack -- --offline DIR`: the build installs from it "
+        "alone (uv, nox, the tree, the kernels, the wheels), with no network, every file sha256-checked.", text,
+        "offline", derived=True),
     Var("UV_PYTHON", "unset", "uv's own choice of Python, read the same way as `PYTHON` (which wins).",
         derived=True),
     Var("PYENV_ROOT", "`pyenv root`, else `~/.pyenv`", "pyenv's own folder, where the venv step looks for an "
@@ -246,6 +255,8 @@ class Settings:
     vllm_dir: Path
     state_dir: Path
     python: str | None  # PYTHON, else UV_PYTHON
+    torch: str  # pinned | host
+    offline: str | None  # None: online; else the bundle folder as given
     pyenv_root: str | None  # None: `pyenv root`, else ~/.pyenv
     venv_dir: Path
     runtime_lock: Path

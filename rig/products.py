@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,3 +131,18 @@ def mismatches(vllm_dir: Path, rec: Record, rehash: bool) -> list[str]:
             bad.append(f"{rel} (modified since the build)")
     return bad
 
+
+
+def pythons(names: list[str] | set[str] | dict) -> str:
+    """The CPython minors a kernel set loads under, as a manifest records them: ``abi3`` when every extension
+    module is built on the stable ABI, else the minors every versioned module has a build for (the official
+    wheel's DeepGEMM ships one per minor: ``3.10 3.11 3.12 3.13 3.14``)."""
+    by_module: dict[str, set[str]] = {}
+    for n in names:
+        m = re.match(r"^(.*)\.cpython-3(\d+)-[^/]*\.so$", n)
+        if m:
+            by_module.setdefault(m[1], set()).add(f"3.{m[2]}")
+    if not by_module:
+        return "abi3"
+    common = set.intersection(*by_module.values())
+    return " ".join(sorted(common, key=lambda v: int(v.split(".")[1])))

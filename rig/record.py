@@ -103,6 +103,7 @@ class Install:
     vllm_version: str = ""
     ops_obj: str = ""
     route: str = ""
+    torch: str = ""  # the torch the import check ran under ("host 2.11.0+cu130" on the TORCH=host route)
 
 
 @dataclass(frozen=True)

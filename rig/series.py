@@ -55,6 +55,7 @@ class Series:
     wheel_sha256: str | None = None
     cpu_wheel: str | None = None
     cpu_wheel_sha256: str | None = None
+    oldest_torch: str | None = None  # the oldest torch the kernels were tested under (TORCH=host refuses older)
 
     @property
     def patches_dir(self) -> Path:
@@ -151,6 +152,7 @@ def load(patches_dir: Path) -> Series:
         git_url=up.get("git") or None, sdist_sha256=up.get("sdist_sha256") or None,
         expected=expected, ops_paths=tuple(paths), wheel_sha256=_pin(up, "wheel_sha256", path),
         cpu_wheel=_pin(up, "cpu_wheel", path), cpu_wheel_sha256=_pin(up, "cpu_wheel_sha256", path),
+        oldest_torch=_pin(up, "oldest_torch", path),
     )
 
 

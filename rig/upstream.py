@@ -94,17 +94,7 @@ def index_link(index_url: str, filename: str) -> tuple[str, str]:
     The standard library fetches it, trusting the system's certificate store like the uv bootstrap and uv."""
     url = f"{index_url}/{project_of(filename)}/"
     fix = "check [upstream].version, or set INDEX_URL to an index that has it"
-    try:
-        req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            files = json.load(r)["files"]
-    except OSError as exc:
-        raise _http_failure(url, exc, fix) from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BadInput(problem(f"the vLLM index {url}", "a PEP 691 simple index answering",
-                               f"{type(exc).__name__}: {exc}",
-                               "set INDEX_URL to an index that speaks PEP 691")) from None
-    for f in files:
+    for f in index_files(url, fix):
         if f.get("filename") == filename:
             sha = (f.get("hashes") or {}).get("sha256")
             if not sha:
@@ -112,6 +102,21 @@ def index_link(index_url: str, filename: str) -> tuple[str, str]:
                                        "use an index that publishes hashes"))
             return urllib.parse.urljoin(url, f["url"]), sha
     raise BadInput(problem(f"{url}", f"a file named {filename}", "none listed", fix))
+
+
+def index_files(url: str, fix: str) -> list[dict]:
+    """The files of one project page of a PEP 691 simple index (``url`` ends in the project and a slash)."""
+    try:
+        req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            files = json.load(r)["files"]
+    except OSError as exc:
+        raise _http_failure(url, exc, fix) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadInput(problem(f"the index page {url}", "a PEP 691 simple index answering",
+                               f"{type(exc).__name__}: {exc}",
+                               "set INDEX_URL to an index that speaks PEP 691")) from None
+    return files
 
 
 def fetch_file(cache: Path, index_url: str, filename: str, pinned_sha: str | None,

@@ -21,8 +21,57 @@ def python(venv: Path) -> Path:
     return Path(venv) / "bin" / "python"
 
 
+#: Written into the serving venv by the venv step with ``TORCH=host``: the host interpreter's site folders, one a line,
+#: so the venv sees its torch even where that interpreter is itself a venv (``--system-site-packages`` reaches only
+#: the base interpreter's folders).
+HOST_PTH = "_rig_host_torch.pth"
+#: The torch family ``TORCH=host`` takes from the host: the lock installs everything else into the venv.
+TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio", "triton"})
+
+
+def torch_family(name: str) -> bool:
+    """Whether a pin belongs to the torch family: torch and its companions, and the CUDA wheels (``nvidia-*``, the
+    NVML bindings aside, which are no CUDA library) torch brings."""
+    return name in TORCH_FAMILY or (name.startswith("nvidia-") and name != "nvidia-ml-py")
+
+
 def site_packages(venv: Path) -> Path:
-    return Path(venv) / "lib" / f"python{WANT_TEXT}" / "site-packages"
+    """The venv's own site-packages, for the Python minor it was made with (3.13 unless ``TORCH=host``)."""
+    m = minor(venv)
+    return Path(venv) / "lib" / (f"python{m[0]}.{m[1]}" if m else f"python{WANT_TEXT}") / "site-packages"
+
+
+def host_dirs(venv: Path) -> list[Path]:
+    """The host interpreter's site folders the venv stands on (``TORCH=host``), from :data:`HOST_PTH`; [] else."""
+    try:
+        text = (site_packages(venv) / HOST_PTH).read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [Path(line) for line in text.splitlines() if line.strip() and not line.startswith(("#", "import "))]
+
+
+def _torch_dir(venv: Path) -> Path | None:
+    """Where the venv's torch lives: its own site-packages, else the host's."""
+    for d in (site_packages(venv), *host_dirs(venv)):
+        if (d / "torch" / "version.py").exists():
+            return d
+    return None
+
+
+def torch_version(venv: Path) -> str | None:
+    """torch as the build records it: ``2.13.0`` in the venv, ``host 2.11.0+cu130`` from the host (the CUDA
+    version added where the host's version carries no local part), None without torch."""
+    d = _torch_dir(venv)
+    if d is None:
+        return None
+    infos = sorted(d.glob("torch-*.dist-info"))
+    version = infos[-1].name[len("torch-"):-len(".dist-info")] if infos else ""
+    if d == site_packages(venv):
+        return version or None
+    cuda = torch_cuda(venv)
+    if version and "+" not in version and cuda:
+        version += f"+cu{cuda.replace('.', '')}"
+    return f"host {version or 'unknown'}"
 
 
 def minor(venv: Path) -> tuple[int, int] | None:
@@ -78,10 +127,10 @@ def damaged(venv: Path) -> dict[str, str]:
 
 def torch_cuda(venv: Path) -> str | None:
     """The CUDA version torch in the venv was built for, read from torch/version.py (no import)."""
-    try:
-        text = (site_packages(venv) / "torch" / "version.py").read_text()
-    except FileNotFoundError:
+    d = _torch_dir(venv)
+    if d is None:
         return None
+    text = (d / "torch" / "version.py").read_text()
     m = re.search(r"^cuda(?::[^=]*)?=\s*['\"](\d+\.\d+)['\"]", text, re.M)
     return m[1] if m else None
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import tomli_w
 
-from rig import atomic, products, series, upstream
+from rig import atomic, bundle, products, series, upstream
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, problem
@@ -162,7 +162,34 @@ def auto_source(url: str, sr: series.Series, accept: bool) -> str:
     return "sdist"
 
 
+def bundle_base(s: Settings, sr: series.Series, scratch: Path) -> Built:
+    """The base from the offline bundle's tree (OFFLINE): its base tag, checked against the commit the bundle
+    records; the series is then applied as always, and the tree compared with series.toml."""
+    data = bundle.info(s)
+    assert data is not None, "called with OFFLINE set"
+    got = data["tree"]
+    if got["tag"] != sr.tag:
+        raise BadInput(problem(f"OFFLINE={s.offline}: the tree's tag", f"{sr.tag} (series.toml)", got["tag"],
+                               "write the bundle from a build of this series"))
+    repo = upstream.new_repo(scratch)
+    try:
+        repo.run("fetch", "--quiet", "--no-tags", str(bundle.opened(s) / bundle.TREE),
+                 f"+refs/tags/{sr.tag}:refs/tags/{sr.tag}")
+        base = repo.rev(f"refs/tags/{sr.tag}^{{commit}}")
+        if base != got["base"]:
+            raise BadInput(problem(f"OFFLINE={s.offline}: the base commit of {bundle.TREE}", got["base"], str(base),
+                                   "copy the bundle again from where it was written"))
+        repo.run("checkout", "--quiet", "-B", "rig", base)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    say(f"base: {sr.tag} from the offline bundle ({got['source']}, {base[:12]})")
+    return Built(scratch, repo, got["source"], f"offline bundle: {got['origin']}", base, "", "", None)
+
+
 def fresh_base(s: Settings, sr: series.Series, scratch: Path, accept: bool) -> Built:
+    if s.offline:
+        return bundle_base(s, sr, scratch)
     url = s.upstream_url or sr.git_url or upstream.DEFAULT_GIT_URL
     source = s.source
     if source == "auto":

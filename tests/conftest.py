@@ -259,19 +259,28 @@ def ops_env(tmp_path, series, rig_env, real_venv, fixture_wheel):
 def fresh(tmp_path_factory):
     """./build.sh in the repository's files as a fresh clone has them (tracked and new), no build output yet:
     the real CUDA build of test_real_build.py, which test_real_cpu.py builds the CPU target beside."""
-    dest = tmp_path_factory.mktemp("fresh") / "rig"
+    dest = checkout_copy(tmp_path_factory.mktemp("fresh") / "rig")
+    env = build_env()
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
+    return dest, r, env
+
+
+def checkout_copy(dest: Path) -> Path:
+    """The repository's files as a fresh clone has them (tracked and new), no build output: ``dest``."""
     files = git(ROOT, "ls-files", "-co", "--exclude-standard", "-z").split("\0")
     for rel in filter(None, files):
         src = ROOT / rel
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_DIR", "PATCHES_DIR", "RIG_STATE", "VENV_DIR", "RUNTIME_LOCK", "BUILD_LOG_DIR",
-                        "FETCH", "UV", "PYTHON", "UV_PYTHON", "CUDA_HOME", "OPS_ROUTE", "DEVICE", "ARTIFACTS_DIR",
-                        "CPU_WHEEL")}
-    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
-    return dest, r, env
+    return dest
+
+
+def build_env(**extra: str) -> dict[str, str]:
+    """This process's environment less the rig's build variables, plus ``extra``."""
+    drop = ("VLLM_DIR", "PATCHES_DIR", "RIG_STATE", "VENV_DIR", "RUNTIME_LOCK", "BUILD_LOG_DIR", "FETCH", "UV",
+            "PYTHON", "UV_PYTHON", "CUDA_HOME", "OPS_ROUTE", "DEVICE", "ARTIFACTS_DIR", "CPU_WHEEL", "TORCH", "OFFLINE")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
 def pytest_collection_modifyitems(session, config, items):

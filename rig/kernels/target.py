@@ -71,7 +71,7 @@ def of_build(s: Settings, rec: BuildRecord) -> KernelTarget:
     minor = venvs.minor(s.venv_dir)
     if minor is None:
         raise BadInput(problem(f"the venv {s.venv_dir}", "a venv with pyvenv.cfg", "none", f"run {FIRST} first"))
-    torch = venvs.installed(s.venv_dir).get("torch")
+    torch = venvs.torch_version(s.venv_dir)  # "host 2.11.0+cu130" on the TORCH=host route
     if torch is None:
         raise BadInput(problem(f"torch in {s.venv_dir}", "installed", "none", f"run {FIRST} first"))
     cpu = s.device == "cpu"

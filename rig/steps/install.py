@@ -18,10 +18,11 @@ from pathlib import Path
 
 from rig import products, record, venvs
 from rig.config import Settings
-from rig.console import say
+from rig.console import say, warn
 from rig.cudastub import driver_loadable
 from rig.errors import WorkFailed, problem
-from rig.kernels import pip, route
+from rig.kernels import abi, pip, route
+from rig.series import Series
 from rig.steps.base import Context, Status, Step
 
 DRIVER = "libcuda.so.1"
@@ -44,7 +45,8 @@ def _system_libs() -> set[str]:
 
 def link_check(s: Settings, rec: products.Record) -> list[str]:
     """Problems of the link layer; checks each product ELF's NEEDED list (no driver needed)."""
-    venv_libs = {p.name for p in venvs.site_packages(s.venv_dir).rglob("*.so*")}
+    venv_libs = {p.name for d in (venvs.site_packages(s.venv_dir), *venvs.host_dirs(s.venv_dir))
+                 for p in d.rglob("*.so*")}
     system = _system_libs()
     problems = []
     drivers = []
@@ -102,20 +104,63 @@ def cpu_import_check(s: Settings) -> str:
             f"{device}, `vllm serve --help=ModelConfig` runs")
 
 
-def import_check(s: Settings, rec: products.Record) -> str:
-    """Full imports with a driver (or for the CPU build), else the link layer; the line that says which."""
+#: With a driver: import torch and vllm, then each kernel module on its own, one line for each that fails.
+DRIVER_CHECK = (
+    "import importlib, sys, torch, vllm\n"
+    "for m in sys.argv[1:]:\n"
+    "    try:\n        importlib.import_module(m)\n"
+    "    except Exception as e:\n        print('FAILED', m, str(e).replace(chr(10), ' '))\n"
+    "print('torch', torch.__version__)\n"
+)
+
+
+def host_torch_check(s: Settings, rec: products.Record, sr: Series, stub: str) -> tuple[str, set[str]]:
+    """``TORCH=host``: the host's torch is no older than the kernels' oldest tested one and defines every symbol
+    each kernel module needs (read from the symbol tables: no driver needed); the line that says so, and the
+    modules left out (built on torch's full C++ ABI, which this torch does not carry)."""
+    torch = venvs.torch_version(s.venv_dir) or "none"
+    abi.check_version(torch, sr.oldest_torch, s.python or "")
+    spec = subprocess.run([str(venvs.python(s.venv_dir)), "-c", "import importlib.util as u; "
+                           "print(u.find_spec('torch').submodule_search_locations[0])"],
+                          capture_output=True, text=True, cwd="/")
+    torch_dir = Path(spec.stdout.strip() or "/nonexistent")
+    minor = venvs.minor(s.venv_dir) or (0, 0)
+    tag = f".cpython-{minor[0]}{minor[1]}-"
+    mods = [s.vllm_dir / rel for rel in sorted(rec.files)
+            if rel.endswith(".so") and (".cpython-" not in rel or tag in rel)]  # other minors' builds never load
+    n, full = abi.check_symbols(mods, [venvs.site_packages(s.venv_dir), *venvs.host_dirs(s.venv_dir)],
+                                torch_dir / "lib", torch, Path(stub) if stub else None)
+    for module, sym in full.items():
+        rel = str(module.relative_to(s.vllm_dir))
+        what = "DeepGEMM's FP8 GEMM kernels are" if "deep_gemm" in rel else "its kernels are"
+        warn(f"{rel} is built on torch's full C++ ABI (for the lock's torch), and torch {torch} lacks {sym}: it "
+             f"cannot load here, so {what} unavailable; the stable-ABI kernels are unaffected")
+    line = (f"torch {torch} (TORCH=host, {torch_dir}): no older than {sr.oldest_torch or 'any tested'}; "
+            f"{n - len(full)} of {n} kernel modules find every symbol they need in it"
+            + (f" ({len(full)} built on the full C++ ABI left out)" if full else ""))
+    return line, {str(m.relative_to(s.vllm_dir)) for m in full}
+
+
+def import_check(s: Settings, rec: products.Record, leave_out: frozenset[str] = frozenset()) -> str:
+    """Full imports with a driver (or for the CPU build), else the link layer; the line that says which.
+    ``leave_out``: kernel files the host-torch check found unloadable under this torch (and said so)."""
     if s.device == "cpu":
         return cpu_import_check(s)
     if driver_loadable():
-        mods = sorted(rel[:-3].split(".")[0].replace("/", ".") for rel in rec.files
-                      if rel.endswith(".so") and "/" in rel)
-        code = "import torch, vllm\nimport importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in mods)
-        r = subprocess.run([str(venvs.python(s.venv_dir)), "-c", code], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise WorkFailed(problem("the import check", "vllm and its compiled extensions import with the driver",
-                                     f"{r.stderr.strip().splitlines()[-1:]}",
+        mods = sorted({rel[:-3].split(".")[0].replace("/", ".") for rel in rec.files
+                       if rel.endswith(".so") and "/" in rel and rel not in leave_out})
+        r = subprocess.run([str(venvs.python(s.venv_dir)), "-c", DRIVER_CHECK, *mods], capture_output=True,
+                           text=True, cwd="/")
+        failed = [ln.split(" ", 2) for ln in r.stdout.splitlines() if ln.startswith("FAILED ")]
+        if r.returncode != 0 or failed:
+            what, why = (failed[0][1], failed[0][2]) if failed else ("import torch, vllm", (
+                r.stderr.strip().splitlines() or ["no output"])[-1])
+            sym = re.search(r"undefined symbol: (\S+)", why)
+            raise WorkFailed(problem(f"the import check: {what}", "it imports with the driver",
+                                     f"undefined symbol {sym[1]}" if sym else why,
                                      "./build.sh --force (the kernels may be for another torch or driver)"))
-        return f"import check: vllm and {len(mods)} compiled extension(s) import with the driver"
+        torch = r.stdout.split("torch ", 1)[-1].strip()
+        return f"import check: vllm and {len(mods)} compiled extension(s) import with the driver under torch {torch}"
     problems = link_check(s, rec)
     if problems:
         raise WorkFailed(problem("the link check", f"every NEEDED library resolves ({DRIVER} aside)",
@@ -141,6 +186,9 @@ class InstallStep(Step):
             return Status(False, f"vllm {version} installed, the tree is {ops.version}")
         if rec is None or rec.ops_obj != ops.ops_obj or rec.route != ops.route:
             return Status(False, "the kernels changed since the last import check")
+        if rec.torch != (venvs.torch_version(s.venv_dir) or ""):
+            return Status(False, f"torch changed since the last import check ({rec.torch or 'none'} -> "
+                                 f"{venvs.torch_version(s.venv_dir)})")
         return Status(True, f"vllm {version} (editable, this tree) in {s.venv_dir}", rec)
 
     def run(self, ctx: Context) -> record.Install:
@@ -162,8 +210,14 @@ class InstallStep(Step):
             if wrong:
                 raise WorkFailed(problem(f"vllm in {s.venv_dir} after the reinstall", f"vllm {ops.version} from "
                                          f"{s.vllm_dir}", wrong, f"remove {s.venv_dir} and run ./build.sh"))
-        say(import_check(s, rec))
+        leave_out: set[str] = set()
+        if s.torch == "host" and s.device == "cuda":
+            line, leave_out = host_torch_check(s, rec, ctx.series,
+                                               ctx.record.toolchain.cuda_stub if ctx.record.toolchain else "")
+            say(line)
+        say(import_check(s, rec, frozenset(leave_out)))
         counts = pip.ccache_counts((ctx.record.tools.ccache if ctx.record.tools else "") or None)
         if counts:
             say(f"ccache totals: {counts[0]} hit(s), {counts[1]} miss(es)")
-        return record.Install(vllm_version=version or "", ops_obj=ops.ops_obj, route=ops.route)
+        return record.Install(vllm_version=version or "", ops_obj=ops.ops_obj, route=ops.route,
+                              torch=venvs.torch_version(s.venv_dir) or "")

@@ -19,12 +19,12 @@ import os
 import shutil
 from pathlib import Path
 
-from rig import products, record
+from rig import atomic, bundle, container, products, record, verify
 from rig.artifacts import Refused
 from rig.console import say
 from rig.errors import WorkFailed, problem
 from rig.gitutil import Git
-from rig.kernels import pip, route
+from rig.kernels import pip, route, target
 from rig.kernels.expected import list_path, read_expected, write_list
 from rig.steps.base import Context, Status, Step
 
@@ -57,6 +57,8 @@ class OpsStep(Step):
         facts, way, why = route.facts(s, ctx.record, ctx.series)
         say(f"route: {way} ({why})")
         products.forget(s.vllm_dir)
+        if bundle.opened(s):
+            return self._from_bundle(ctx)
         if way == "compile":
             if not (ctx.record.tools and ctx.record.tools.cargo):
                 say("no cargo 1.95: the Rust frontend is not built; vLLM uses its Python tool parsers")
@@ -77,6 +79,23 @@ class OpsStep(Step):
         say(f"{len(rec.files)} products, {size:.1f} MB, recorded in {s.vllm_dir / products.RECORD}")
         if way == "precompiled" and facts.get("wheel_sha256"):
             _list_precompiled(s.patches_dir, s.device, facts["wheel_sha256"], rec)
+        return outputs(s.vllm_dir, rec)
+
+    def _from_bundle(self, ctx: Context) -> record.Ops:
+        """OFFLINE: the bundle's kernels, verified against this tree's target and installed, vllm installed
+        editable without building anything; the tarball is kept in ARTIFACTS_DIR, so the pack step finds it."""
+        s = ctx.settings
+        kernels = bundle.opened(s) / bundle.KERNELS
+        kt = target.of_build(s, ctx.record)
+        n, against = verify.verify(kernels, kt.vllm_dir, kt.checks(), kt.expected, say=say)
+        say(f"the offline bundle's kernels: {n} files verified and installed (the file set checked against "
+            f"{against})")
+        container.adopt(s, kernels)
+        for f in sorted(kernels.iterdir()):
+            with open(f, "rb") as src, atomic.atomic_open(s.artifacts_dir / f.name, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        rec = products.read(s.vllm_dir)
+        assert rec is not None, "adopt wrote the record"
         return outputs(s.vllm_dir, rec)
 
 

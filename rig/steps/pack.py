@@ -29,8 +29,9 @@ def manifest_facts(s: Settings, rec: record.BuildRecord) -> dict:
         raise BadInput(problem(f"the build record {s.vllm_dir / products.RECORD}", "present (the ops step ran)",
                                "none", "run ./build.sh first"))
     built = OFFICIAL_ARCHS if ops.route == "precompiled" else " ".join((ops.arch or s.arch).replace(";", " ").split())
+    kernels = products.read(s.vllm_dir)
     return {**target.of_build(s, rec).facts(), "arch": built, "tree": rec.tree.head if rec.tree else "",
-            "route": ops.route}
+            "route": ops.route, "python": products.pythons(kernels.files if kernels else {})}
 
 
 class PackStep(Step):

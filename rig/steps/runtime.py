@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import atomic, proc, record, venvs
+from rig import atomic, bundle, proc, record, venvs
 from rig.config import Settings
 from rig.console import note, say
 from rig.errors import BadInput, WorkFailed, problem
@@ -75,6 +75,19 @@ def read_lock(path: Path) -> Lock:
     return Lock(path, m[1] if m else None, pins, hashlib.sha256(text.encode()).hexdigest())
 
 
+def for_venv(lock: Lock, s: Settings) -> Lock:
+    """The pins this venv installs: all of them, or with ``TORCH=host`` all but the torch family the host brings
+    (written beside the venv as a requirements file of its own, the hashes kept)."""
+    if s.torch != "host":
+        return lock
+    pins = {n: p for n, p in lock.pins.items() if not venvs.torch_family(n)}
+    out = s.venv_dir / "rig-runtime-host.lock"
+    lines = [f"{n}=={v} " + " ".join(f"--hash={h}" for h in hs) + "\n" for n, (v, hs) in pins.items()]
+    atomic.write_text(out, f"# {lock.path.name} less the torch family (TORCH=host): written by the runtime step.\n"
+                      + "".join(lines))
+    return Lock(out, lock.python, pins, lock.sha256)
+
+
 def differences(lock: Lock, have: dict[str, str]) -> list[str]:
     """Pins the venv does not satisfy, as 'name==want (found X)'."""
     return [f"{n}=={v} (found {have.get(n, 'none')})" for n, (v, _) in lock.pins.items() if have.get(n) != v]
@@ -86,6 +99,8 @@ def _check_python(lock: Lock, s: Settings) -> None:
     if lock.python is None:
         raise BadInput(problem(f"{lock.path}", "a '# python: X.Y' header line", "none",
                                "make the lock with nox -s lock"))
+    if s.torch == "host":  # the host's minor is what it is: the lock's hashes cover every Python's wheels
+        return
     if lock.python != found:
         raise BadInput(problem(f"{lock.path}", f"a lock for the venv's Python {found}",
                                f"a lock for Python {lock.python}", "make the lock for 3.13 with nox -s lock"))
@@ -105,17 +120,25 @@ class RuntimeStep(Step):
             return Status(False, f"an install into {s.venv_dir} was cut short ({cut}): its packages are checked "
                                  "file by file and the broken ones installed again")
         rec = ctx.record.runtime
+        lock = for_venv(lock, s)
         missing = differences(lock, venvs.installed(s.venv_dir))
         if missing:
             return Status(False, f"{len(missing)} pin(s) not installed, e.g. {missing[0]}")
         if rec is None or rec.lock_sha256 != lock.sha256:
             return Status(False, f"{s.runtime_lock.name} changed since the last install")
-        return Status(True, f"{len(lock.pins)} pins of {s.runtime_lock.name} installed", rec)
+        less = " (the torch family from the host)" if s.torch == "host" else ""
+        return Status(True, f"{len(lock.pins)} pins of {s.runtime_lock.name} installed{less}", rec)
 
     def run(self, ctx: Context) -> record.Runtime:
         s = ctx.settings
         lock = read_lock(s.runtime_lock)
         _check_python(lock, s)
+        if s.torch == "host":
+            minor = venvs.minor(s.venv_dir)
+            left = sorted(n for n in lock.pins if venvs.torch_family(n))
+            say(f"TORCH=host: {len(left)} pins of the torch family left to the host ({', '.join(left[:6])}, ...); "
+                f"the lock's other pins for Python {minor[0]}.{minor[1]} (the lock was made for {lock.python})")
+            lock = for_venv(lock, s)
         old = ctx.record.runtime.pin_digests if ctx.record.runtime else {}
         changed = [n for n in lock.pins if n in old and old[n] != lock.pin_digest(n)]
         if not old or ctx.options.force:  # first install here, or --force: every hash, even of what is there
@@ -125,7 +148,8 @@ class RuntimeStep(Step):
             first = next(iter(broken.items()))
             say(f"{len(broken)} package(s) with files missing, e.g. {first[0]} ({first[1]}): installed again")
             changed += [n for n in broken if n in lock.pins and n not in changed]
-        say(f"installing {len(lock.pins)} pins from {s.runtime_lock} with hash checking")
+        say(f"installing {len(lock.pins)} pins from {lock.path} with hash checking"
+            + (f" from the offline bundle's wheels ({offline})" if (offline := bundle.wheels(s)) else ""))
         marker = s.venv_dir / MARKER
         atomic.write_text(marker, f"pid {os.getpid()} at {dt.datetime.now():%Y-%m-%d %H:%M:%S}\n")
         install(s, ctx.uv, lock, reinstall=changed)
@@ -154,11 +178,11 @@ def install(s: Settings, uv: str | None, lock: Lock, reinstall: list[str]) -> No
     python = venvs.python(s.venv_dir)
     if uv:
         cmd = [uv, "pip", "install", "--python", str(python), "--require-hashes", "--no-deps",
-               "-r", str(lock.path)]
+               *bundle.uv_args(s), "-r", str(lock.path)]
         cmd += [x for n in reinstall for x in ("--reinstall-package", n)]
     else:
         cmd = [str(python), "-m", "pip", "install", "--progress-bar", "off", "--require-hashes",
-               "--no-deps", "-r", str(lock.path)]
+               "--no-deps", *bundle.pip_args(s), "-r", str(lock.path)]
         if reinstall:
             cmd += ["--force-reinstall", *[f"{n}=={lock.pins[n][0]}" for n in reinstall]]
     code, tail = stream(cmd, label="installing", watch=s.venv_dir, interval=min(HEARTBEAT_S, s.status_interval))
@@ -194,6 +218,12 @@ def _install_error(tail: list[str], lock: Lock) -> BadInput | None:
     if m:  # pip's wording
         return BadInput(problem(f"the hash of {m[1]} in {lock.path.name}", f"sha256:{m[2]}", f"sha256:{m[3]}",
                                 "make the lock again with nox -s lock (or git checkout the lock)"))
+    m = re.search(r"current Python version \(([\d.]+)\) does not satisfy.*?(\S+?)==(\S+) depends on", text, re.S)
+    if m:  # uv's wording when a pin's Requires-Python excludes the venv's (a TORCH=host interpreter, say)
+        return BadInput(problem(f"{m[2]}=={m[3]} of {lock.path.name}", "a pin this venv's Python can install",
+                                f"it requires another Python than {m[1]}",
+                                "point PYTHON at an interpreter of the lock's Python (the '# python:' line of "
+                                "scripts/runtime.lock), or make a lock for this one with nox -s lock"))
     m = re.search(r"there is no version of (\S+?)(?:\s|,|$)", text) or re.search(
         r"No matching distribution found for (\S+)", text)
     if m:

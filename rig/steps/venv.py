@@ -7,6 +7,7 @@ not look there, and it cannot download Pythons on a closed network).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from rig import record, venvs
+from rig import atomic, record, venvs
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
@@ -100,6 +101,54 @@ def _find_python(s: Settings, uv: str | None) -> tuple[str, str]:
                            "pyenv's versions", "none", INSTALL_HINT))
 
 
+#: What ``TORCH=host`` needs to know of ``PYTHON``, read without importing torch: its minor, the interpreter a venv
+#: stands on, its site folders (a venv's own too) and its torch.
+HOST_PROBE = (
+    "import importlib.metadata as m, importlib.util as u, json, site, sys\n"
+    "base = sys.executable if sys.prefix == sys.base_prefix else getattr(sys, '_base_executable', sys.executable)\n"
+    "spec = u.find_spec('torch')\n"
+    "try:\n    v = m.version('torch')\nexcept m.PackageNotFoundError:\n    v = None\n"
+    "print(json.dumps({'minor': list(sys.version_info[:2]), 'base': base, 'sites': site.getsitepackages(),\n"
+    "                  'torch': v, 'where': spec.origin if spec else None}))\n"
+)
+#: The CPython minors vLLM v0.30.0 supports: ``TORCH=host`` takes the host's, whichever of these it is.
+HOST_MINORS = ((3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
+
+
+def host_python(s: Settings) -> dict:
+    """``TORCH=host``: what :data:`HOST_PROBE` says of ``PYTHON``; refused without PYTHON, a supported minor, or
+    torch."""
+    if not s.python:
+        raise BadInput(problem("PYTHON (TORCH=host)", "the interpreter whose torch the venv stands on", "unset",
+                               "set PYTHON to that interpreter (for example PYTHON=/opt/torch/.venv/bin/python3), "
+                               "or unset TORCH for the lock's torch"))
+    exe = s.python if os.sep in s.python else (shutil.which(s.python) or s.python)
+    try:
+        r = subprocess.run([exe, "-c", HOST_PROBE], capture_output=True, text=True, timeout=60)
+        got = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        got = None
+    if got is None:
+        raise BadInput(problem(f"PYTHON={s.python} (TORCH=host)", "a Python interpreter that runs", "it does not run",
+                               "point PYTHON at the interpreter whose torch to use"))
+    minor = tuple(got["minor"])
+    if minor not in HOST_MINORS:
+        raise BadInput(problem(f"PYTHON={s.python} (TORCH=host)", "CPython " + ", ".join(
+            f"{a}.{b}" for a, b in HOST_MINORS) + " (what vLLM 0.30.0 supports)", f"Python {minor[0]}.{minor[1]}",
+            "point PYTHON at a supported interpreter with torch"))
+    if not got["torch"] or not got["where"]:
+        raise BadInput(problem(f"PYTHON={s.python} (TORCH=host)", "an interpreter with torch installed",
+                               f"no torch in {', '.join(got['sites']) or 'its site folders'}",
+                               "point PYTHON at the interpreter whose torch to use, or unset TORCH for the lock's"))
+    got["exe"] = exe
+    return got
+
+
+def _pth(sites: list[str]) -> str:
+    return "# The host interpreter's site folders (TORCH=host): written by the rig's venv step.\n" + \
+        "".join(f"{d}\n" for d in sites)
+
+
 def caches(s: Settings, uv: str | None) -> dict[str, str]:
     """The wheel caches of the current user, which the venv installs reuse."""
     out = {}
@@ -122,6 +171,18 @@ class VenvStep(Step):
             return Status(False, f"{s.venv_dir} does not exist yet")
         if minor is None:
             return Status(False, f"{s.venv_dir} is broken (its interpreter or pyvenv.cfg is gone): replacing it")
+        if s.torch == "host":
+            host = host_python(s)
+            want = (host["minor"][0], host["minor"][1])
+            if minor != want:
+                return Status(False, f"{s.venv_dir} has Python {minor[0]}.{minor[1]}, PYTHON is {want[0]}.{want[1]}: "
+                                     "replacing it")
+            pth = venvs.site_packages(s.venv_dir) / venvs.HOST_PTH
+            if not pth.exists() or pth.read_text() != _pth(host["sites"]):
+                return Status(False, f"{s.venv_dir} does not stand on PYTHON={s.python}'s torch: replacing it")
+            return Status(True, f"{s.venv_dir} stands on torch {host['torch']} of {host['exe']}", self._outputs(ctx))
+        if venvs.host_dirs(s.venv_dir):
+            return Status(False, f"{s.venv_dir} stands on a host torch (TORCH=host), not the lock's: replacing it")
         if minor != WANT:
             return Status(False, f"{s.venv_dir} has Python {minor[0]}.{minor[1]}, not {WANT_TEXT}: replacing it")
         return Status(True, f"{s.venv_dir} has CPython {WANT_TEXT}", self._outputs(ctx))
@@ -131,8 +192,17 @@ class VenvStep(Step):
 
     def run(self, ctx: Context) -> record.Venv:
         s = ctx.settings
-        python, how = find_python(s, ctx.uv)
-        say(f"CPython {WANT_TEXT}: {python} (found by {how})")
+        host = host_python(s) if s.torch == "host" else None
+        if host:
+            python = host["base"]
+            if _inside(python, s.venv_dir) or _inside(host["exe"], s.venv_dir):
+                raise BadInput(problem(f"PYTHON={s.python} (TORCH=host)", f"an interpreter outside {s.venv_dir}",
+                                       host["exe"], f"point PYTHON at the interpreter with torch, not {s.venv_dir}"))
+            say(f"TORCH=host: torch {host['torch']} of {host['exe']} (Python {'.'.join(map(str, host['minor']))}); "
+                f"the venv stands on it")
+        else:
+            python, how = find_python(s, ctx.uv)
+            say(f"CPython {WANT_TEXT}: {python} (found by {how})")
         old = None
         if s.venv_dir.exists() or s.venv_dir.is_symlink():
             old = s.venv_dir.with_name(f"{s.venv_dir.name}.old-{int(time.time())}")
@@ -145,10 +215,14 @@ class VenvStep(Step):
             else:
                 say(f"creating {s.venv_dir} with {python} -m venv ({'UV=0' if s.uv == '0' else 'no uv on PATH'})")
                 cmd = [python, "-m", "venv", str(s.venv_dir)]
+            if host:
+                cmd.insert(-1, "--system-site-packages")
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise WorkFailed(problem(" ".join(cmd), "exit 0", f"exit {r.returncode}: {r.stderr.strip()}",
                                          f"check the Python at {python}"))
+            if host:
+                atomic.write_text(venvs.site_packages(s.venv_dir) / venvs.HOST_PTH, _pth(host["sites"]))
         except BaseException:
             shutil.rmtree(s.venv_dir, ignore_errors=True)
             if old:

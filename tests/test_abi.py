@@ -1,0 +1,80 @@
+"""The host-torch checks on real ELF files: a kernel module that needs a symbol its torch lacks is refused by name."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rig.errors import BadInput
+from rig.kernels import abi
+from rig.steps import runtime
+
+
+def cc(tmp: Path, name: str, source: str, *args: str) -> Path:
+    src = tmp / f"{name}.c"
+    src.write_text(source)
+    out = tmp / name
+    subprocess.run([shutil.which("cc") or "cc", "-shared", "-fPIC", "-o", str(out), str(src), *args], check=True)
+    return out
+
+
+@pytest.fixture
+def torch_and_kernel(tmp_path):
+    """A "torch" whose library defines one of the two functions a "kernel module" calls."""
+    lib = tmp_path / "torch" / "lib"
+    lib.mkdir(parents=True)
+    cc(lib, "libtorch_fake.so", "int aoti_torch_old(void) { return 1; }\n")
+    (tmp_path / "libtorch_fake.so").symlink_to(lib / "libtorch_fake.so")
+    mod = cc(tmp_path, "_C_fake.abi3.so", "int aoti_torch_old(void); int aoti_torch_new(void);\n"
+             "int PyInit__C_fake(void) { return aoti_torch_old() + aoti_torch_new(); }\n",
+             f"-L{tmp_path}", "-ltorch_fake")
+    return lib, mod
+
+
+def test_a_symbol_the_torch_lacks_is_named_with_its_module(torch_and_kernel, tmp_path):
+    lib, mod = torch_and_kernel
+    with pytest.raises(BadInput) as e:
+        abi.check_symbols([mod], [lib], lib, "host 2.9.0+cu130", None)
+    text = str(e.value)
+    assert "the kernel module _C_fake.abi3.so under torch host 2.9.0+cu130" in text
+    assert "aoti_torch_new is defined by none of them" in text and "aoti_torch_old" not in text
+
+
+def test_a_torch_that_defines_every_symbol_passes(torch_and_kernel, tmp_path):
+    lib, mod = torch_and_kernel
+    cc(lib, "libtorch_more.so", "int aoti_torch_new(void) { return 2; }\n")
+    assert abi.check_symbols([mod], [lib], lib, "host 2.11.0", None) == (1, {})
+
+
+def test_a_module_on_the_full_cpp_abi_is_left_out_not_fatal(tmp_path):
+    """DeepGEMM's ``_C.cpython-312-...so`` holds only for the torch it was built with: named, not refused."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    cc(lib, "libc10_fake.so", "int c10_old(void) { return 1; }\n")
+    mod = cc(tmp_path, "_C.cpython-312-x86_64-linux-gnu.so", "int c10_new(void);\nint f(void) { return c10_new(); }\n",
+             f"-L{lib}", "-lc10_fake")
+    n, full = abi.check_symbols([mod], [lib], lib, "host 2.11.0", None)
+    assert n == 1 and full == {mod: "c10_new"}
+
+
+def test_the_version_check_names_both_versions():
+    abi.check_version("host 2.11.0+cu130", "2.11.0", "/opt/py")
+    abi.check_version("host 2.12.1", "2.11.0", "/opt/py")
+    with pytest.raises(BadInput) as e:
+        abi.check_version("host 2.10.0+cu130", "2.11.0", "/opt/py")
+    assert "expected >= 2.11.0" in str(e.value) and "found host 2.10.0+cu130" in str(e.value)
+
+
+def test_a_pin_whose_python_excludes_the_hosts_is_named(tmp_path):
+    """uv's own words when networkx 3.7 (Python >= 3.12) meets a 3.11 host."""
+    tail = ["error: No solution found when resolving dependencies",
+            "  cause: Because the current Python version (3.11.7) does not satisfy all of:",
+            "             Python>=3.12,<3.14.1", "             Python>3.14.1",
+            "         and networkx==3.7 depends on one of:", "             Python>=3.12,<3.14.1"]
+    lock = runtime.Lock(tmp_path / "rig-runtime-host.lock", "3.13", {}, "0" * 64)
+    err = runtime._install_error(tail, lock)
+    assert isinstance(err, BadInput)
+    assert "networkx==3.7 of rig-runtime-host.lock" in str(err) and "another Python than 3.11.7" in str(err)
