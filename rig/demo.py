@@ -37,7 +37,11 @@ CHAT_TEMPLATE = (
 #: The config the checkpoint is made with; ``max_position_embeddings`` lets the demo use the reference's context.
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 262144}
+#: The demo's profile for each build: ``./start.sh --demo`` picks the one of the build it serves with.
+PROFILES = {"cpu": "demo", "cuda": "demo-gpu"}
 MARK = ".rig-demo.json"  # written last: a folder without it is not trusted
+#: The FP8 KV scales sidecar (patch 0004) the demo carries: 1.0 for every layer, the cache's plain FP8 range.
+SIDECAR = "qsa_kv_scales.json"
 
 
 def make(out: Path) -> None:
@@ -66,6 +70,7 @@ def make(out: Path) -> None:
                       bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                       pad_token_id=ids["<|endoftext|>"], torch_dtype="bfloat16", **SHAPE)
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    _json(out / SIDECAR, {"layers": [{"k_scale": 1.0, "v_scale": 1.0}] * SHAPE["num_hidden_layers"]})
     for p in out.iterdir():
         os.chmod(p, 0o644)
 
@@ -81,12 +86,13 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 def ready(folder: Path) -> bool:
-    """Whether ``folder`` holds a complete demo checkpoint (its mark, and the files the mark lists)."""
+    """Whether ``folder`` holds a complete demo checkpoint (its mark, and the files the mark lists, the scales
+    sidecar among them: one made before it had one is made again)."""
     try:
         mark = json.loads((folder / MARK).read_text())
     except (FileNotFoundError, ValueError):
         return False
-    return set(mark.get("files", {})) <= {p.name for p in folder.iterdir()}
+    return SIDECAR in mark.get("files", {}) and set(mark.get("files", {})) <= {p.name for p in folder.iterdir()}
 
 
 def ensure(python: Path, folder: Path, root: Path) -> tuple[bool, float]:

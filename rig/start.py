@@ -36,7 +36,7 @@ def run(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool,
         return 0
     if build:
         _build_if_needed(s, dry_run)
-    if p.name == "demo":
+    if p.name in demo.PROFILES.values():
         _demo_model(s, env, dry_run)
     report = serve.check_box(s, v, p, box_check)
     serve.show_box(report, dry_run)
@@ -127,7 +127,8 @@ def _build_if_needed(s: Settings, dry_run: bool) -> None:
 
 
 def _demo_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``--demo``: the demo profile, on the CUDA build when it is current on a box with a driver, else the CPU's."""
+    """``--demo``: the demo model on the CUDA build (``demo-gpu``: FP8 KV, CUDA graphs) when that build is current on
+    a box with a driver, else on the CPU's (``demo``)."""
     env = {**env, "PROFILE": "demo"}
     if not env.get("DEVICE", "").strip():
         cuda = config.settings({**env, "DEVICE": "cuda"})
@@ -139,6 +140,7 @@ def _demo_env(env: Mapping[str, str]) -> dict[str, str]:
         env["DEVICE"] = "cuda" if current else "cpu"
         say("demo: the CUDA build is current on this GPU box: serving with it" if current else
             "demo: serving with the CPU build (DEVICE=cpu; ./build.sh makes it when needed)")
+    env["PROFILE"] = demo.PROFILES.get(env["DEVICE"].strip(), "demo")  # a bad DEVICE: its own error, later
     return env
 
 
