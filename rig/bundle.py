@@ -40,6 +40,8 @@ WHEELS = "wheels"
 UV = "uv/uv"
 #: Where an opened bundle lies, under RIG_STATE.
 OPENED = "offline"
+#: Written into the opened folder last: the bundle files it was opened from, as they were.
+STAMP = ".opened.json"
 PART = re.compile(r"^(?P<name>.+)\.part(?P<n>\d{3})$")
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -196,6 +198,12 @@ def check_glibc(data: dict, src: Path) -> None:
                                "write the bundle on a box whose glibc is no newer than this one's"))
 
 
+def _stamp(src: Path) -> dict:
+    """What a re-open compares instead of hashing again: the folder, and each file's size and modification time."""
+    return {"src": str(src), "files": {str(p.relative_to(src)): [p.stat().st_size, p.stat().st_mtime_ns]
+                                       for p in sorted(src.rglob("*")) if p.is_file()}}
+
+
 def open_bundle(s: config.Settings, src: Path) -> Path:
     """Check the bundle in ``src`` and join its parts into ``RIG_STATE/offline``; that folder.
 
@@ -204,9 +212,16 @@ def open_bundle(s: config.Settings, src: Path) -> Path:
     data = _read_info(src)
     check_target(data, _want(s), src)
     check_glibc(data, src)
-    listed = _check_sums(src)
     dest = s.state_dir / OPENED
+    seen = _stamp(src)
+    try:
+        if json.loads((dest / STAMP).read_text()) == seen:
+            return dest  # opened before from these very files (sizes and times): every wrapper call stays fast
+    except (OSError, ValueError):
+        pass
+    listed = _check_sums(src)
     dest.mkdir(parents=True, exist_ok=True)
+    (dest / STAMP).unlink(missing_ok=True)
     for name, meta in data["files"].items():
         out = dest / name
         if out.is_file() and out.stat().st_size == meta["size"] and sha256(out) == meta["sha256"]:
@@ -225,10 +240,11 @@ def open_bundle(s: config.Settings, src: Path) -> Path:
             out.unlink()
             raise BadInput(problem(f"{name} joined from {len(parts)} part(s) of {src}", meta["sha256"], found,
                                    "copy the bundle's parts again; nothing was used"))
-    stale = {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()} - set(data["files"]) - {INFO}
+    stale = {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()} - set(data["files"]) - {INFO, STAMP}
     for name in stale:  # a file of an earlier bundle: never mixed into this one's wheelhouse
         (dest / name).unlink()
     atomic.write_text(dest / INFO, json.dumps(data, indent=1) + "\n")
+    atomic.write_text(dest / STAMP, json.dumps(seen) + "\n")
     say(f"bundle {src}: {len(data['files'])} files checked and ready in {dest} (tree {data['tree']['head'][:12]}, "
         f"torch {data['target']['torch']}, Python {data['target']['python']})", err=True)
     return dest

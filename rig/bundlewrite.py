@@ -106,23 +106,35 @@ def script_requirements(noxfile: Path = NOXFILE) -> list[str]:
     return re.findall(r"\"([^\"]+)\"", m[1]) if m else []
 
 
-def tools_lock(s: Settings, uv: str | None, python: str, out: Path) -> runtime.Lock:
-    """The noxfile's script environment, resolved and hashed for ``python`` on the lock's platform."""
-    src = out.with_suffix(".in")
-    atomic.write_text(src, "\n".join(script_requirements()) + "\n")
+def compile_pins(s: Settings, uv: str | None, python: str, requirements: list[str], out: Path,
+                 no_deps: bool = False) -> runtime.Lock:
+    """``requirements`` resolved and hashed for CPython ``python`` on the lock's platform, written to ``out``."""
     if not uv:
-        raise BadInput(problem("uv", "on PATH (the bundle resolves the noxfile's environment with it)", "not found",
-                               "run it as scripts/nox.sh -s pack -- --offline DIR"))
+        raise BadInput(problem("uv", "on PATH (the bundle resolves the wrappers' own environments with it)",
+                               "not found", "run it as scripts/nox.sh -s pack -- --offline DIR"))
+    src = out.with_suffix(".in")
+    atomic.write_text(src, "\n".join(requirements) + "\n")
     cmd = [uv, "pip", "compile", "--quiet", "--generate-hashes", "--no-header", "--no-annotate", "--python-version",
            python, "--python-platform", runtime.PLATFORM, "--index-url", s.index_url, str(src), "-o", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd + (["--no-deps"] if no_deps else []), capture_output=True, text=True)
     src.unlink()
     if r.returncode != 0:
-        raise WorkFailed(problem("uv pip compile of the noxfile's dependencies", "exit 0",
+        raise WorkFailed(problem(f"uv pip compile of {', '.join(requirements)[:200]}", "exit 0",
                                  f"exit {r.returncode}: {r.stderr.strip()[-600:]}", "check the network and run again"))
     text = out.read_text()
-    atomic.write_text(out, f"# The noxfile's script environment for CPython {python}.\n# python: {python}\n" + text)
+    atomic.write_text(out, f"# {out.stem} for CPython {python} (the offline bundle).\n# python: {python}\n" + text)
     return runtime.read_lock(out)
+
+
+def tools(s: Settings, uv: str | None, python: str, folder: Path) -> dict[tuple[str, str], tuple[str, ...]]:
+    """The pins of what the wrappers install for themselves: the noxfile's script environment, the bench venv
+    (llama-benchy without its dependencies, then the ones it imports, and the rig itself, built with setuptools)."""
+    from rig.bench.tool import TOOL, TOOL_DEPS  # the bench's pins: one source with noxfile.py's bench session
+
+    locks = [compile_pins(s, uv, python, [*script_requirements(), *TOOL_DEPS, "setuptools>=69", "wheel"],
+                          folder / "tools.lock"),
+             compile_pins(s, uv, python, [TOOL], folder / "bench-tool.lock", no_deps=True)]
+    return {(n, v): h for lock in locks for n, (v, h) in lock.pins.items()}
 
 
 def pinned_uv(s: Settings, dest: Path) -> None:
@@ -189,9 +201,8 @@ def write(s: Settings, dest: Path, part_size: int | None, python: str | None, uv
         Git(s.vllm_dir).run("bundle", "create", "--quiet", str(work / bundle.TREE), "HEAD", f"refs/tags/{tree.tag}")
         for f in (artifacts.MANIFEST, artifacts.SUMS, manifest["tarball"]):
             _place(s.artifacts_dir / f, work / bundle.KERNELS / f)
-        tools = tools_lock(s, uv, python, work / "tools.lock")
         ranks = {t: i for i, t in enumerate(tags_for(python, glibc()))}
-        wanted = {(n, v): h for n, (v, h) in [*pins.items(), *tools.pins.items()]}  # both versions where they differ
+        wanted = {**{(n, v): h for n, (v, h) in pins.items()}, **tools(s, uv, python, work)}  # both where they differ
         with cf.ThreadPoolExecutor(8) as ex:
             jobs = [ex.submit(fetch_wheel, s, n, v, h, python, ranks) for (n, v), h in wanted.items()]
             for job in jobs:

@@ -25,6 +25,7 @@ import pytest
 from conftest import ROOT, engine_like
 
 from rig import uv
+from rig.cudastub import driver_loadable
 
 BENCH = ROOT / "benchmarks"
 #: Modules the benchmarks import; not benchmarks themselves.
@@ -67,6 +68,11 @@ BENCHMARKS = {
                             rf"^\(d\) the health check .*median of 3: .*\| ratio {X}",
                             rf"^\(e\) the demo model, bench.sh 32 8 '1 4' .*decode c=4 / c=1: {X}"), "cpu",
                            ("--serve",), 1200, (pytest.mark.engine,)),
+    "gpu_figures.py": Bench((rf"^\(a\) start to healthy, warm cache: .*: {X} \(target <= 1.05x\)",
+                             rf"^\(b\) ./start.sh warm .*: {X} \(target <= 0.6x\)",
+                             rf"^\(c\) decode at concurrency 1: .*: {X} \(target 1.00x\)"), "gpu", timeout=1200,
+                            marks=(pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(),
+                                                                       reason="no NVIDIA driver here"))),
     "nodes_start.py": Bench((rf"^\(a\) two-node demo to healthy: .* ratio {X}",
                              rf"^\(b\) worker killed -> the head reports it: .* ratio {X}"), "cpu", timeout=1200,
                             marks=(pytest.mark.engine,)),
@@ -164,7 +170,7 @@ def run_alone(cmd: list[str], env: dict[str, str] | None, timeout: float) -> sub
 
 def quick_params():
     for name, b in sorted(BENCHMARKS.items()):
-        marks = [pytest.mark.slow, *b.marks] if b.needs else list(b.marks)
+        marks = [pytest.mark.slow, *b.marks] if b.needs and b.needs != "gpu" else list(b.marks)
         yield pytest.param(name, marks=marks, id=name.removesuffix(".py"))
 
 
