@@ -61,17 +61,16 @@ def _torch_dir(venv: Path) -> Path | None:
 def torch_version(venv: Path) -> str | None:
     """torch as the build records it: ``2.13.0`` in the venv, ``host 2.11.0+cu130`` from the host (the CUDA
     version added where the host's version carries no local part), None without torch."""
-    d = _torch_dir(venv)
-    if d is None:
-        return None
-    infos = sorted(d.glob("torch-*.dist-info"))
-    version = infos[-1].name[len("torch-"):-len(".dist-info")] if infos else ""
-    if d == site_packages(venv):
-        return version or None
-    cuda = torch_cuda(venv)
-    if version and "+" not in version and cuda:
-        version += f"+cu{cuda.replace('.', '')}"
-    return f"host {version or 'unknown'}"
+    for d in (site_packages(venv), *host_dirs(venv)):
+        infos = sorted(d.glob("torch-*.dist-info"))
+        if not infos:
+            continue
+        version = infos[-1].name[len("torch-"):-len(".dist-info")]
+        if d == site_packages(venv):
+            return version
+        cuda = torch_cuda(venv)
+        return f"host {version}" + (f"+cu{cuda.replace('.', '')}" if "+" not in version and cuda else "")
+    return None
 
 
 def minor(venv: Path) -> tuple[int, int] | None:
