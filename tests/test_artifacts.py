@@ -237,7 +237,8 @@ WANT = {
                         f"{sums_of()['vllm/_C_stable_libtorch.abi3.so']} (ops.sha256), found ",
     "manifest of another arch": "manifest.toml: arch: expected architectures that include '8.6' (the target's), "
                                 "found '8.0'",
-    "manifest of another CPython": "manifest.toml: python: expected '3.13' (the target's), found '3.12'",
+    "manifest of another CPython": "manifest.toml: python: expected kernels that load under '3.13' (the target's), "
+                                   "found '3.12'",
     "manifest of another CUDA": "manifest.toml: cuda: expected '13' (the target's), found '12'",
     "manifest of another torch": "manifest.toml: torch: expected '2.13.0' (the target's), found '2.12.0'",
     "manifest of another OPS_OBJ": f"manifest.toml: ops_obj: expected '{'a' * 64}' (the target's), found '{'f' * 64}'",
