@@ -129,7 +129,7 @@ def tests(session: nox.Session) -> None:
     """Run the test suite (pytest; extra arguments go to pytest)."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "rig.testdeps")
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", "--durations=25", *session.posargs)
 
 
 @nox.session

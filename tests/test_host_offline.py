@@ -96,8 +96,10 @@ def test_the_host_route_builds_on_the_hosts_torch(host_build, host_python):
     out = r.stdout
     assert f"TORCH=host: torch {HOST_TORCH} of {host_python} (Python 3.12)" in out
     assert "pins of the torch family left to the host" in out and "the lock was made for 3.13" in out
-    assert re.search(rf"torch host {re.escape(HOST_TORCH)}\+cu130 \(TORCH=host, .*\): no older than 2\.11\.0; the "
-                     r"\d+ kernel modules find every symbol they need in it", out)
+    assert re.search(rf"torch host {re.escape(HOST_TORCH)}\+cu130 \(TORCH=host, .*\): no older than 2\.11\.0; "
+                     r"\d+ of \d+ kernel modules find every symbol they need in it", out), out[-3000:]
+    # DeepGEMM's _C is built on torch's full C++ ABI (for the lock's torch 2.13): named, left out, not fatal
+    assert "deep_gemm/_C.cpython-312-x86_64-linux-gnu.so is built on torch's full C++ ABI" in r.stderr + out
     assert manifest_torch(dest) == f"host {HOST_TORCH}+cu130"
     site = venvs.site_packages(dest / ".venv")
     assert site.parent.name == "python3.12"
@@ -127,7 +129,8 @@ def test_the_bundle_is_in_parts_with_every_sum(offline_bundle):
     assert data["target"]["torch_route"] == "host"
     assert any(meta.get("parts") for meta in data["files"].values())  # the kernels tarball is cut
     names = [n for n in data["files"] if n.startswith("wheels/")]
-    assert names and not [n for n in names if re.match(r"wheels/(torch|triton|nvidia_(?!ml_py))[-_]", n)]
+    family = r"wheels/((torch|torchvision|torchaudio|triton)-|nvidia_(?!ml_py))"
+    assert names and not [n for n in names if re.match(family, n)]
     assert any(re.match(r"wheels/nox-", n) for n in names) and bundle.UV in data["files"]
 
 
