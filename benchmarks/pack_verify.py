@@ -107,6 +107,7 @@ def main() -> None:
         t_sum = timed(lambda: subprocess.run(["sha256sum", *[str(vllm / n) for n in names]],
                                              stdout=subprocess.DEVNULL, check=True))
         target = {k: facts[k] for k in TARGET}
+        target["python"] = str(facts["python"]).split()[-1]  # a target is one Python: one the kernels load under
         t_ver = timed(lambda: verify(tmp / "zstd", tmp / "dest", target))
         installed = sum(1 for p in (tmp / "dest").rglob("*") if p.is_file())
         if installed != len(names):
