@@ -139,7 +139,7 @@ VARS: tuple[Var, ...] = (
         service=True),
     Var("PORT", "8000", "The port the API listens on.", port, "port", service=True),
     Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order.", cards, "visible", service=True),
-    Var("RIG_STATE", ".rig", "The rig's own state: the build record, the build lock, cmake and ninja from PyPI, "
+    Var("RIG_STATE", ".rig", "The rig's own state: the build record, the records' build lock, cmake and ninja from PyPI, "
         "the engine's pid file.", path, "state_dir", service=True),
     Var("MODEL_NAME", "the profile's `served_name` (`start.sh`), `service_name` (compose, systemd)",
         "The served model name (a request's `model`); spaces make aliases.", names, "names", "serve", derived=True,

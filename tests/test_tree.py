@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import TAG, git, run_rig
+from conftest import ROOT, TAG, git, run_rig
 
 PY_PATCH = {"vllm/entrypoints/api.py": "".join(f"# api line {i}\n" for i in range(1, 31))
             + "def serve():\n    return 'patched'\n"}
@@ -366,3 +366,20 @@ def test_second_build_is_told_who_holds_the_lock(series, rig_env, tmp_path):
     assert "pid 4242" in r.err and "wait for that build" in r.err
     assert not (tmp_path / "vllm").exists()
     assert run_rig(rig_env, "tree").code == 0  # free again once the holder is gone
+
+
+def test_two_state_folders_on_one_checkout_share_the_venvs_and_the_trees_locks(series, rig_env, tmp_path):
+    """The lock sits beside the venv and the tree: a build from another RIG_STATE that would install into the
+    same venv is refused, naming the venv's lock and its holder, and gets it once the holder is gone."""
+    from rig import config
+    from rig.buildlock import BuildLock
+    env = {**rig_env, "VENV_DIR": str(tmp_path / "venv")}
+    other = config.settings({**env, "RIG_STATE": str(tmp_path / "other-state")}, root=ROOT)
+    with BuildLock(other, "a build from the other state folder"):
+        r = run_rig(env, "tree")
+    assert r.code == 2, r.text
+    assert f"the build lock {tmp_path / 'venv.build.lock'}" in r.err, r.err
+    assert "a build from the other state folder" in r.err and "Fix:" in r.err
+    assert not (tmp_path / "vllm").exists()
+    assert not (tmp_path / "state" / "build.lock").read_text().strip()  # the state's lock it took was let go
+    assert run_rig(env, "tree").code == 0
