@@ -7,6 +7,7 @@ travels in the environment only: a command line is readable by every user of the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -23,6 +24,8 @@ from rig.topology import Topology, engine_args
 #: Variables the series defines; the rig checks their shape and passes them on unchanged.
 SERIES_VARS = ("PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS", "SCALES")
 SECRET = "VLLM_API_KEY"
+#: An AF_UNIX socket's path holds at most 107 bytes, and vLLM names its sockets ``<base>/<uuid4>`` (37 more).
+SOCKET_ROOM = 107 - 37
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,17 @@ def cache_env(root: Path) -> dict[str, str]:
     """One cache root for every compile cache, so a crash-corrupted one is one folder to clear."""
     return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TRITON_CACHE_DIR": str(root / "triton"),
             "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "FLASHINFER_WORKSPACE_BASE": str(root / "flashinfer")}
+
+
+def runtime_dir(s: Settings) -> Path:
+    """The engine's own runtime folder: vLLM's IPC sockets (``VLLM_RPC_BASE_PATH``) and temporary files
+    (``TMPDIR``: the ``vllm_dist_*`` rendezvous files), removed when the engine is stopped or found dead, so none
+    pile up in /tmp. It is ``RIG_STATE/run``; a state path too long to hold a socket's name gets a short folder
+    in /tmp named by a hash of it instead (one state folder, one engine, one runtime folder)."""
+    d = s.state_dir.resolve() / "run"
+    if len(str(d)) <= SOCKET_ROOM:
+        return d
+    return Path("/tmp") / f"rig-run-{hashlib.sha256(str(d).encode()).hexdigest()[:12]}"
 
 
 def clear_cache(root: Path) -> list[str]:
@@ -120,6 +134,8 @@ def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
         "VLLM_LOG_STATS_INTERVAL": v.stats_interval,
         "PYTHONUNBUFFERED": "1",  # log lines reach the file as they happen, not at exit
         **cache_env(v.cache_root),
+        "TMPDIR": str(runtime_dir(s)),
+        "VLLM_RPC_BASE_PATH": str(runtime_dir(s)),
         **t.env,
         **p.env,
         "PLE_HOME": str(v.ple_home),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import tomli_w
 from rig import REPO_ROOT, atomic, logs, sdnotify, watchdog
 from rig.config import Serve, Settings
 from rig.console import error, quote, say, warn
-from rig.engine import Engine
+from rig.engine import Engine, runtime_dir
 from rig.errors import BadInput, WorkFailed, problem
 from rig.health import connect_host, health, port_open
 from rig.proc import alive
@@ -88,7 +89,19 @@ def load(s: Settings) -> Record | None:
     if group_members(rec.pgid):
         return rec
     path.unlink(missing_ok=True)
+    clear_runtime(s)  # found dead: its sockets and temporary files go with it
     return None
+
+
+def clear_runtime(s: Settings) -> int:
+    """Remove the engine's runtime folder (rig/engine.py's runtime_dir) once no process of it is left; how many
+    files it held."""
+    d = runtime_dir(s)
+    if not d.is_dir() or d.is_symlink():
+        return 0
+    n = sum(1 for _ in d.rglob("*"))
+    shutil.rmtree(d, ignore_errors=True)
+    return n
 
 
 def server_alive(rec: Record) -> bool:
@@ -183,6 +196,9 @@ def start(launch: Launch) -> int:
             say(running_message(rec))
             return 0
         v.cache_root.mkdir(parents=True, exist_ok=True)
+        if left := clear_runtime(s):
+            say(f"removed {left} file(s) an engine that is gone left in {runtime_dir(s)}")
+        runtime_dir(s).mkdir(mode=0o700, parents=True, exist_ok=True)
         argv, env, offset = launch.engine.argv, sdnotify.engine_env(launch.engine.full_env()), 0
         if s.log:
             with logs.open_log(s.log) as log_fh:
@@ -221,6 +237,8 @@ def start(launch: Launch) -> int:
         if proc.poll() is None:
             terminate(rec.pgid, v.stop_timeout)
         pid_path(s).unlink(missing_ok=True)
+        if not group_members(rec.pgid):
+            clear_runtime(s)
         raise
     if not launch.foreground:
         return 0
@@ -233,6 +251,7 @@ def start(launch: Launch) -> int:
         watch.stop(v.stop_timeout + 10)  # a hang being handled: its terminate() finishes first
     leftover = terminate(rec.pgid, v.stop_timeout)  # workers the server left behind
     pid_path(s).unlink(missing_ok=True)
+    clear_runtime(s)
     if leftover:
         warn(f"the engine left {len(leftover)} process(es) behind; they were stopped")
     if watch and watch.hang:
@@ -400,6 +419,7 @@ def stop(s: Settings, v: Serve) -> int:
                                  "they survived it (a GPU driver hang?) and still hold their GPU memory",
                                  "check nvidia-smi"))
     pid_path(s).unlink(missing_ok=True)
+    clear_runtime(s)
     if rec.supervisor:  # a foreground supervisor (the unit's main process) exits 0 on its own: let it, first
         end = time.monotonic() + 10
         while alive(rec.supervisor) and time.monotonic() < end:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import time
 import urllib.error
@@ -526,6 +527,11 @@ def test_stop_leaves_no_process_of_the_engine(served):
     assert r.returncode == 0
     pgid = state["pgid"]
     assert engine_processes(pgid), "the engine runs before the stop"
+    # vLLM's IPC sockets live in the engine's own runtime folder under the rig's state, not in /tmp
+    run = dest / ".rig" / "run"
+    sockets = [p.name for p in run.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets, sorted(p.name for p in run.iterdir())
+    assert not [p for p in Path("/tmp").iterdir() if p.name in sockets]
     s = nox(dest, env, "-s", "stop")
     assert s.returncode == 0, s.stdout + s.stderr
     assert "no process of it is left" in s.stdout
@@ -533,6 +539,7 @@ def test_stop_leaves_no_process_of_the_engine(served):
     while engine_processes(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not engine_processes(pgid), [p.info for p in engine_processes(pgid)]
+    assert not run.exists(), sorted(p.name for p in run.iterdir())  # removed with the engine
 
 
 def test_a_checkpoint_the_engine_refuses_ends_start_with_its_own_lines_and_nothing_running(served, tmp_path):
@@ -588,6 +595,7 @@ def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_end
     while engine_processes(rec["pgid"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not engine_processes(rec["pgid"])
+    assert not (dest / ".rig" / "run").exists()  # the runtime folder of the engine that was found dead, too
 
 
 def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_inside_the_engine(served, probes,
