@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def main() -> None:
             one_node(rig, tmp, "warm-up")
         one = one_node(rig, tmp, "one")
         common = {**os.environ, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()),
-                  "NODES_PORT": str(free_port())}
+                  "NODES_PORT": str(free_port()), "NODES_SECRET": secrets.token_hex(32)}
         head = {**common, "NODE_RANK": "0", "PORT": str(free_port()), "LOG": str(tmp / "head.log"),
                 "RIG_STATE": str(tmp / "head"), "VLLM_CPU_OMP_THREADS_BIND": "0"}
         worker = {**common, "NODE_RANK": "1", "PORT": str(free_port()), "LOG": str(tmp / "worker.log"),

@@ -139,8 +139,8 @@ VARS: tuple[Var, ...] = (
         service=True),
     Var("PORT", "8000", "The port the API listens on.", port, "port", service=True),
     Var("CUDA_VISIBLE_DEVICES", "0,1,2,3", "The cards to use, in PCI bus order.", cards, "visible", service=True),
-    Var("RIG_STATE", ".rig", "The rig's own state: the build record, the records' build lock, cmake and ninja from PyPI, "
-        "the engine's pid file.", path, "state_dir", service=True),
+    Var("RIG_STATE", ".rig", "The rig's own state: the build record, the records' build lock, cmake and ninja "
+        "from PyPI, the engine's pid file and runtime folder.", path, "state_dir", service=True),
     Var("MODEL_NAME", "the profile's `served_name` (`start.sh`), `service_name` (compose, systemd)",
         "The served model name (a request's `model`); spaces make aliases.", names, "names", "serve", derived=True,
         service=True),
@@ -191,6 +191,11 @@ VARS: tuple[Var, ...] = (
         "head's port.", port, "head_port", "serve", service=True),
     Var("NODES_PORT", "29599", "The port of the rig's node registry on the head: workers report their build there, "
         "and learn when to start and to stop.", port, "nodes_port", "serve", service=True),
+    Var("NODES_SECRET", "none (required with `NODES` > 1)", "The secret every node signs its calls to the head's "
+        "node registry with (an HMAC-SHA256 of each call; unsigned calls are refused with 401): the same value on "
+        "every node, at least 32 characters, e.g. `python3 -c 'import secrets; print(secrets.token_hex(32))'`. "
+        "Never on a command line: put it in the environment file of each node.", keep_empty, "nodes_secret",
+        "serve", derived=True, service=True),
     Var("DIST_BACKEND", "mp", "`mp`: vLLM's multiprocessing executor across nodes; `ray`: a Ray cluster the rig "
         "starts on every node, and `--distributed-executor-backend ray`.", choice("mp", "ray"), "dist_backend",
         "serve", service=True),
@@ -304,8 +309,12 @@ class Serve:
     head_addr: str  # "" unless NODES > 1
     head_port: int
     nodes_port: int
+    nodes_secret: str  # "" unless NODES > 1
     dist_backend: str
     net_iface: str
+
+
+SECRET_MIN = 32  # characters of NODES_SECRET: 128 bits as hex, at the least
 
 
 def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Serve:
@@ -322,6 +331,12 @@ def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = Non
         raise BadInput(problem("HEAD_ADDR", f"the head's address, with NODES={v.nodes}", "unset",
                                "set HEAD_ADDR on every node to the head's address on the private network "
                                "between them (the head too)"))
+    if v.nodes > 1 and len(v.nodes_secret) < SECRET_MIN:
+        found = f"{len(v.nodes_secret)} characters" if v.nodes_secret else "unset"
+        raise BadInput(problem("NODES_SECRET", f"a shared secret of at least {SECRET_MIN} characters, with NODES="
+                               f"{v.nodes}: every call to the head's node registry is signed with it", found,
+                               "make one (python3 -c 'import secrets; print(secrets.token_hex(32))') and set the "
+                               "same value on every node, in its environment file (docs/nodes.md)"))
     return v
 
 

@@ -53,7 +53,7 @@ def status(s: Settings, v: Serve) -> int:
         return 1
     role = client.load_role(s)
     if role and role.role == "worker":
-        answers = client.call(role.url, "/state")[0] == 200
+        answers = client.call(role.url, "/state", secret=role.secret)[0] == 200
         beating = alive(role.pid)
         say(f"pid {rec.pid}: worker {role.rank}, headless, up {ago(rec.started)}; the head's registry at {role.url}: "
             + ("answers" if answers else "does NOT answer"))

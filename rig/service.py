@@ -60,12 +60,12 @@ def render_logrotate(repo: Path, log: str) -> str:
 def render_env(profile: str = "reference", node_rank: int | None = None) -> str:
     """The service's environment file: every service variable as a commented default, and the one value the
     service sets differently from start.sh: the profile's service name (and this node's rank, for a node of a
-    multi-node engine: NODES and HEAD_ADDR are then to be set, the same on every node)."""
+    multi-node engine: NODES, HEAD_ADDR and NODES_SECRET are then to be set, the same on every node)."""
     env_set = {"PROFILE": profile, "MODEL_NAME": profiles.load(profile).service_name}
     if node_rank is not None:
         env_set["NODE_RANK"] = str(node_rank)
     lines = ["# Settings of the vllm service (scripts/install-as-service.sh), read by systemd at each start.",
-             "# Mode 0600: it can hold VLLM_API_KEY. Uncomment a line to change that default; then",
+             "# Mode 0600: it can hold VLLM_API_KEY and NODES_SECRET. Uncomment a line to change that default; then",
              "# scripts/install-as-service.sh stop && scripts/install-as-service.sh start.", ""]
     for v in config.VARS:
         if not v.service:
@@ -135,7 +135,8 @@ def install(t: Target, node_rank: int | None = None) -> int:
         atomic.write_text(env, render_env(config.settings().profile, node_rank), 0o600)
         files[ENV_FILE] = sha256_file(env)
         say(f"wrote {env} (mode 0600; edit it to set MODEL_NAME, CKPT, VLLM_API_KEY, ...)"
-            + (f"; this node is rank {node_rank}: set NODES and HEAD_ADDR there, as on every node"
+            + (f"; this node is rank {node_rank}: set NODES, HEAD_ADDR and NODES_SECRET there, as on "
+               "every node"
                if node_rank is not None else ""))
 
     rot = t.path(LOGROTATE)

@@ -65,10 +65,11 @@ def run(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool,
 
 def _launch(plan: serve.Plan, *, on_spawn: Callable[[], None] | None = None,
             on_ready: Callable[[], None] | None = None,
-            probe: Callable[[], tuple[bool, str]] | None = None) -> supervise.Launch:
+            probe: Callable[[], tuple[bool, str]] | None = None,
+            nodes_check: Callable[[], str] | None = None) -> supervise.Launch:
     """The supervisor's launch of the plan's engine, with this node's hooks."""
     return supervise.Launch(plan.s, plan.v, plan.engine, foreground=plan.foreground, health=plan.profile.health,
-                            on_spawn=on_spawn, on_ready=on_ready, probe=probe)
+                            on_spawn=on_spawn, on_ready=on_ready, probe=probe, nodes_check=nodes_check)
 
 
 def _dry_run(plan: serve.Plan) -> int:
@@ -93,7 +94,8 @@ def _dry_run(plan: serve.Plan) -> int:
 
 def _earlier_engine(s: Settings, v: Serve, attached: bool) -> bool:
     """An engine of an earlier start: its leftovers are ended when its server is gone; one that runs is reported
-    (True: nothing to start), or refused in the foreground."""
+    (True: nothing to start), or refused in the foreground. A worker refuses one that is not already its rank's
+    part of this head's engine (:func:`_worker_engine`)."""
     rec = supervise.load(s)
     if rec and not supervise.server_alive(rec):
         warn(f"an earlier engine's server (pid {rec.pid}) is gone, but processes of its group are left: "
@@ -103,11 +105,38 @@ def _earlier_engine(s: Settings, v: Serve, attached: bool) -> bool:
         return False
     if rec is None:
         return False
+    if v.nodes > 1 and v.node_rank:
+        return _worker_engine(s, v, rec)
     if attached:
         raise BadInput(problem("the engine", "not running", f"pid {rec.pid} on {rec.host}:{rec.port}",
                                "nox -s stop, then start again"))
     say(supervise.running_message(rec))
     return True
+
+
+def _worker_engine(s: Settings, v: Serve, rec: supervise.Record) -> bool:
+    """A worker's start that finds an engine of the rig running here: True (nothing to start) only when it is this
+    rank's part of the head's engine, which the head's registry sees running; anything else is refused (exit 2)
+    before the join, naming it: the head would otherwise wait in vLLM's init for an engine that never comes."""
+    role, base = client.load_role(s), client.url(v)
+    what = f"pid {rec.pid}, up {supervise.ago(rec.started)}"
+    if role and role.role == "worker":
+        what += f", worker {role.rank} of the head at {role.url}"
+        if role.rank == v.node_rank and role.url == base:
+            code, st = client.call(base, "/state", secret=v.nodes_secret, timeout=3)
+            m = st.get("members", {}).get(str(v.node_rank)) if code == 200 else None
+            if m and m["engine"] == "running" and st["now"] - m["beat"] < client.LOST:
+                say(f"already running: worker {v.node_rank} of the head at {base} ({what}), part of its engine; "
+                    "nothing started (nox -s stop on the head stops every node)")
+                return True
+            what += " (the head's registry does not see it running: it is an earlier head's)"
+    elif role:
+        what += f", the head of {role.url}"
+    else:
+        what += f", a one-node engine on {rec.host}:{rec.port}"
+    raise BadInput(problem("this node's engine", f"none running, for worker {v.node_rank} to join the head at {base}",
+                           f"an engine of the rig already runs here ({what})", "nox -s stop on this node, then start "
+                           "it again (the head waits for it)"))
 
 
 def _build_if_needed(s: Settings, dry_run: bool) -> None:
@@ -190,16 +219,24 @@ def _worker(plan: serve.Plan, env: Mapping[str, str], ident: dict, address: str)
 def _head(plan: serve.Plan, ident: dict, address: str) -> int:
     s, v = plan.s, plan.v
     role = registry.open_registry(s, v, ident, v.head_addr)
+    went: list[float] = []  # when the workers were told to start their engines
+
+    def go() -> None:
+        registry.tell(role, "go")
+        went.append(time.time())
+
+    def check() -> str:
+        return registry.missing_engine(role, went[0]) if went else ""
+
     try:
         registry.wait_for_workers(v, role)
         if v.dist_backend == "ray":  # the Ray head first, then the workers join it, then the engine places its ranks
             raycluster.start_head(s, v, address)
-            registry.tell(role, "go")
+            go()
             raycluster.wait_for_nodes(s, v)
-            launch = _launch(plan, on_ready=lambda: registry.tell(role, "ready"))
+            launch = _launch(plan, on_ready=lambda: registry.tell(role, "ready"), nodes_check=check)
         else:
-            launch = _launch(plan, on_spawn=lambda: registry.tell(role, "go"),
-                             on_ready=lambda: registry.tell(role, "ready"))
+            launch = _launch(plan, on_spawn=go, on_ready=lambda: registry.tell(role, "ready"), nodes_check=check)
         code = supervise.start(launch)
     except BaseException:  # the workers that joined stop too: their agents see the stop, or lose the head
         _release(s, v, role)

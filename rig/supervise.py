@@ -166,6 +166,9 @@ class Launch:
     on_spawn: Callable[[], None] | None = None
     on_ready: Callable[[], None] | None = None
     probe: Callable[[], tuple[bool, str]] | None = None
+    # The head's look at its workers while its engine starts: '' while all is well, else what is wrong (a worker
+    # that joined but runs no engine), which ends the start instead of vLLM's init waiting until START_TIMEOUT.
+    nodes_check: Callable[[], str] | None = None
 
 
 def _lock(s: Settings) -> IO[str]:
@@ -225,7 +228,8 @@ def start(launch: Launch) -> int:
     sdnotify.notify(f"STATUS=starting the engine (pid {proc.pid})")
     stopping = _forward_signals(rec) if launch.foreground else threading.Event()
     try:
-        _wait_healthy(s, v, rec, proc, lines, quiet=not s.log, stopping=stopping, probe=launch.probe)
+        _wait_healthy(s, v, rec, proc, lines, quiet=not s.log, stopping=stopping, probe=launch.probe,
+                      nodes_check=launch.nodes_check)
         if launch.on_ready and rec.ready:
             launch.on_ready()
     except KeyboardInterrupt:
@@ -351,8 +355,10 @@ def _api_check(s: Settings, v: Serve, rec: Record, deadline: float) -> Callable[
 
 
 def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, lines: logs.Lines, quiet: bool,
-                  stopping: threading.Event, probe: Callable[[], tuple[bool, str]] | None = None) -> None:
+                  stopping: threading.Event, probe: Callable[[], tuple[bool, str]] | None = None,
+                  nodes_check: Callable[[], str] | None = None) -> None:
     t0 = time.monotonic()
+    next_nodes = t0
     deadline = t0 + v.start_timeout
     last_beat = t0
     next_try = t0
@@ -378,6 +384,12 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
                                      + (" (its last lines are above)" if s.log else ""),
                                      f"see why in the full log, {s.log}" if s.log else "see why in its output above"))
         now = time.monotonic()
+        if nodes_check and now >= next_nodes:
+            next_nodes = now + 1.0
+            if wrong := nodes_check():
+                raise WorkFailed(problem("the head's engine", "every worker that joined running its engine", wrong,
+                                         "see that worker's start: an engine of the rig already running there "
+                                         "refuses to join (nox -s stop on it), then start the head again"))
         if now >= next_try:
             ok, last_detail, asked = check()
             if ok:

@@ -81,6 +81,7 @@ def test_a_nodes_command_parses_under_the_real_vllm_serve_parser(fresh, backend,
     dest, _, env = fresh
     s = config.settings({"VENV_DIR": str(dest / ".venv")}, root=dest)
     v = config.serve_settings({"NODES": "2", "NODE_RANK": rank, "HEAD_ADDR": "10.0.0.1", "HEAD_PORT": "29601",
+                               "NODES_SECRET": "s" * 64,
                                "DIST_BACKEND": backend}, root=dest)
     four = topology.choose([0, 1, 2, 3], {(a, b): "not supported" for a in range(4) for b in range(4) if a != b})
     two = topology.across([([0, 1, 2, 3], {})] * 2, layers=48)

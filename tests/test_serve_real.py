@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 KEY = "demo-key-for-the-tests"
+NODES_SECRET = "nodes-secret-of-the-tests-" + "0" * 32
 
 
 def request(env: dict, route: str, body: dict, key: str | None = KEY) -> tuple[int, str]:
@@ -401,7 +402,7 @@ def two_nodes(served, tmp_path_factory):
     assert r.returncode == 0
     d = tmp_path_factory.mktemp("nodes")
     common = {**env, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()),
-              "NODES_PORT": str(free_port()), "VLLM_API_KEY": KEY}
+              "NODES_PORT": str(free_port()), "VLLM_API_KEY": KEY, "NODES_SECRET": NODES_SECRET}
     head = {**common, "NODE_RANK": "0", "PORT": str(free_port()), "LOG": str(d / "head.log"),
             "RIG_STATE": str(d / "head"), "VLLM_CPU_OMP_THREADS_BIND": "0"}
     worker = {**common, "NODE_RANK": "1", "PORT": str(free_port()), "LOG": str(d / "worker.log"),
@@ -480,6 +481,43 @@ def test_a_killed_worker_makes_the_head_unhealthy_naming_the_node_and_stop_leave
                                                                               "nodes.toml").exists()
 
 
+def test_a_worker_that_joined_and_started_no_engine_ends_the_heads_start_naming_it(served, tmp_path):
+    """The head's side of a worker that joins and then starts nothing (a crash, or an engine already running
+    there): vLLM's init on the head would wait for it until START_TIMEOUT; the head names it within LOST s of its
+    go, ends its start with exit 1, and leaves nothing running."""
+    from rig import config
+    from rig.nodes import client
+
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    nodes_port = free_port()
+    head = {**env, "NODES": "2", "NODE_RANK": "0", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()),
+            "NODES_PORT": str(nodes_port), "NODES_SECRET": NODES_SECRET, "PORT": str(free_port()),
+            "LOG": str(tmp_path / "head.log"), "RIG_STATE": str(tmp_path / "head"), "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    t0 = time.monotonic()
+    h = subprocess.Popen([str(dest / "start.sh"), "--demo", "--no-build"], cwd=dest, env=head,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ident = client.identity(config.settings({**head, "PROFILE": "demo", "DEVICE": "cpu"}, root=dest), 1)
+    joined = 0
+    while time.monotonic() - t0 < 120 and h.poll() is None:
+        joined = client.call(f"http://127.0.0.1:{nodes_port}", "/join", {"rank": 1, "identity": ident,
+                                                                        "address": "127.0.0.1"},
+                             secret=NODES_SECRET)[0]
+        if joined == 200:
+            break
+        time.sleep(0.5)
+    assert joined == 200
+    t_join = time.monotonic()
+    out, _ = h.communicate(timeout=300)
+    took = time.monotonic() - t_join
+    assert h.returncode == 1, out[-4000:]
+    assert "the head's engine: expected every worker that joined running its engine, found worker 1 (127.0.0.1): " \
+           "joined, then no beat for" in out, out[-4000:]
+    assert not (tmp_path / "head" / "engine.toml").exists() and not (tmp_path / "head" / "nodes.toml").exists()
+    print(f"\na worker that joined and started nothing: the head's start ended {took:.0f} s after the join "
+          f"(START_TIMEOUT {env.get('START_TIMEOUT')} s)")
+
+
 def ray_processes() -> list[str]:
     return [f"{p.info['pid']} {p.info['name']}" for p in psutil.process_iter(["pid", "name"])
             if p.info["name"] in ("raylet", "gcs_server")]
@@ -492,7 +530,7 @@ def test_the_rig_brings_a_real_ray_cluster_of_two_nodes_up_and_takes_it_down(ser
     dest, env, r, _, _ = served
     assert r.returncode == 0
     common = {**env, "NODES": "2", "HEAD_ADDR": "127.0.0.1", "HEAD_PORT": str(free_port()), "DIST_BACKEND": "ray",
-              "DEVICE": "cpu"}  # the demo's build: Ray goes into its venv
+              "DEVICE": "cpu", "NODES_SECRET": NODES_SECRET}  # the demo's build: Ray goes into its venv
     try:
         head = nox(dest, {**common, "NODE_RANK": "0"}, "-s", "ray", "--", "up")
         assert head.returncode == 0, head.stdout + head.stderr

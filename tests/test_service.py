@@ -469,7 +469,7 @@ def test_a_worker_node_is_installed_with_its_rank_and_the_same_unit(tmp_path):
     assert r.code == 0, r.text
     env = (tmp_path / service.ENV_FILE).read_text()
     assert "\nNODE_RANK=1\n" in env and "\n#NODES=1\n" in env and "\n#HEAD_ADDR=\n" in env
-    assert "this node is rank 1: set NODES and HEAD_ADDR there" in r.out
+    assert "this node is rank 1: set NODES, HEAD_ADDR and NODES_SECRET there" in r.out
     unit = (tmp_path / service.UNIT).read_text()
     assert "a worker waits for the head's" in unit and "ExecStart=" + str(ROOT) + "/start.sh" in unit
     again = run_rig(dict(os.environ), "service", "install", "--root", str(tmp_path), "--node-rank", "2")

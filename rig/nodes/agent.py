@@ -23,7 +23,7 @@ def start(s: Settings, v: Serve, env: dict[str, str]) -> None:
     client.end_helper(s)
     proc = client.spawn("rig.nodes.agent", dict(env), s.state_dir / "agent.log")
     client.save_role(s, Role("worker", proc.pid, client.create_time(proc.pid), client.url(v), v.node_rank, "",
-                             v.dist_backend))
+                             v.dist_backend, v.nodes_secret))
 
 
 def _local(s: Settings, v: Serve) -> tuple[bool, str] | None:
@@ -37,9 +37,9 @@ def _local(s: Settings, v: Serve) -> tuple[bool, str] | None:
         (False, f"its vllm serve --headless (group {rec.pgid}) is gone")
 
 
-def _beat_until(base: str, rank: int, done: threading.Event) -> None:
+def _beat_until(base: str, rank: int, secret: str, done: threading.Event) -> None:
     while not done.wait(client.BEAT):
-        call(base, "/beat", {"rank": rank, "engine": "stopping"}, timeout=client.BEAT * 2)
+        call(base, "/beat", {"rank": rank, "engine": "stopping"}, secret=secret, timeout=client.BEAT * 2)
 
 
 def _stop(s: Settings, v: Serve) -> None:
@@ -60,23 +60,23 @@ def main() -> None:
     while True:
         local = _local(s, v)
         if local is None:
-            call(base, "/beat", {"rank": v.node_rank, "engine": "left"})
+            call(base, "/beat", {"rank": v.node_rank, "engine": "left"}, secret=v.nodes_secret)
             stamped("the engine has ended here: left")
             return
         running, detail = local
         code, flags = call(base, "/beat", {"rank": v.node_rank, "engine": "running" if running else "gone",
-                                           "detail": detail}, timeout=client.BEAT * 2)
+                                           "detail": detail}, secret=v.nodes_secret, timeout=client.BEAT * 2)
         now = time.monotonic()
         lost_since = None if code == 200 else (lost_since or now)
         if (code == 200 and flags.get("stop")) or (lost_since and now - lost_since > client.LOST):
             stamped(f"stopping the engine: {'the head said so' if code == 200 else f'no head for {client.LOST:.0f} s'}")
             done = threading.Event()  # beats go on while the stop waits for SIGTERM: the head waits for "left"
-            threading.Thread(target=_beat_until, args=(base, v.node_rank, done), daemon=True).start()
+            threading.Thread(target=_beat_until, args=(base, v.node_rank, v.nodes_secret, done), daemon=True).start()
             try:
                 _stop(s, v)  # with Ray, it runs ray stop too
             finally:
                 done.set()
-                call(base, "/beat", {"rank": v.node_rank, "engine": "left"})
+                call(base, "/beat", {"rank": v.node_rank, "engine": "left"}, secret=v.nodes_secret)
             return
         time.sleep(client.BEAT)
 

@@ -9,6 +9,7 @@ of its registry or agent, so that stop and status find them.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import socket
@@ -73,10 +74,39 @@ def url(v: Serve) -> str:
     return f"http://{v.head_addr}:{v.nodes_port}"
 
 
-def call(base: str, path: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, dict]:
-    """(HTTP status, JSON body); status 0 when the registry cannot be reached."""
+STAMP, SIGNATURE = "X-Rig-Time", "X-Rig-Signature"
+SKEW = 300.0  # seconds a signed call stays good: a replayed one is refused after that
+
+
+def signature(secret: str, method: str, path: str, stamp: str, body: bytes) -> str:
+    """HMAC-SHA256 of the call (method, path, time, body) with NODES_SECRET: what the registry checks."""
+    msg = b"\n".join([method.encode(), path.encode(), stamp.encode(), body])
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def refusal(secret: str, method: str, path: str, stamp: str | None, sig: str | None, body: bytes,
+            now: float | None = None) -> str:
+    """Why a call's signature is not good ('' when it is): what the registry logs with the caller's address."""
+    if not stamp or not sig:
+        return "no signature (a node without NODES_SECRET, or not a node of this rig)"
+    try:
+        age = abs((time.time() if now is None else now) - float(stamp))
+    except ValueError:
+        return f"a bad time stamp {stamp[:40]!r}"
+    if not hmac.compare_digest(sig, signature(secret, method, path, stamp, body)):
+        return "a wrong signature (another NODES_SECRET)"
+    if age > SKEW:
+        return f"a signature {age:.0f} s old (clocks apart, or a replay; at most {SKEW:.0f} s)"
+    return ""
+
+
+def call(base: str, path: str, body: dict | None = None, *, secret: str, timeout: float = 5.0) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a call signed with ``secret``; status 0 when the registry cannot be reached."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    stamp = f"{time.time():.3f}"
+    sig = signature(secret, "POST" if data is not None else "GET", path, stamp, data or b"")
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
+                                                                  STAMP: stamp, SIGNATURE: sig})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
@@ -101,6 +131,7 @@ class Role:
     rank: int
     token: str = ""
     backend: str = "mp"  # ray: this node's Ray is stopped with it
+    secret: str = ""  # NODES_SECRET, so that a later stop or status (maybe without it in its environment) can call
 
 
 def role_path(s: Settings) -> Path:
@@ -117,7 +148,7 @@ def load_role(s: Settings) -> Role | None:
 
 def save_role(s: Settings, role: Role) -> None:
     atomic.write_text(role_path(s), "# This node's part in a multi-node engine (rig/nodes/).\n"
-                      + tomli_w.dumps(asdict(role)), perms=0o600)  # 0600: the registry's token
+                      + tomli_w.dumps(asdict(role)), perms=0o600)  # 0600: the token and the secret
 
 
 def _alive(pid: int, create_time: float) -> bool:
@@ -168,10 +199,14 @@ def join(v: Serve, ident: dict, address: str) -> None:
     last_line = t0
     say(f"nodes: worker {v.node_rank} of {v.nodes}: joining the head at {base}")
     while True:
-        code, body = call(base, "/join", {"rank": v.node_rank, "identity": ident, "address": address})
+        code, body = call(base, "/join", {"rank": v.node_rank, "identity": ident, "address": address},
+                          secret=v.nodes_secret)
         if code == 200:
             say(f"nodes: joined the head in {time.monotonic() - t0:.0f} s (same build and checkpoint)")
             return
+        if code == 401:
+            raise BadInput(problem(f"worker {v.node_rank}'s NODES_SECRET", "the head's", f"a refusal by the head at "
+                                   f"{base}: {body.get('error')}", "set the same NODES_SECRET on every node"))
         if code in (400, 409):
             raise BadInput(problem(f"worker {v.node_rank} at the head {base}", "a place among the head's nodes, with "
                                    "its build and checkpoint", f"a refusal: {body.get('error')}", "run ./build.sh "
@@ -191,7 +226,7 @@ def wait_go(v: Serve) -> None:
     """Until the head has started its engine (the workers' engines connect to it)."""
     base, t0 = url(v), time.monotonic()
     while True:
-        code, st = call(base, "/state")
+        code, st = call(base, "/state", secret=v.nodes_secret)
         if code == 200 and st["stop"]:
             raise WorkFailed(_head_stopped("before"))
         if code == 200 and st["go"]:
@@ -204,7 +239,7 @@ def wait_go(v: Serve) -> None:
 
 def head_ready(v: Serve) -> tuple[bool, str]:
     """The worker's health while it starts: the head's API answered a generation through every node."""
-    code, st = call(url(v), "/state", timeout=2)
+    code, st = call(url(v), "/state", secret=v.nodes_secret, timeout=2)
     if code != 200:
         return False, f"the head's registry does not answer ({st.get('error')})"
     if st["stop"]:
@@ -236,10 +271,14 @@ def doctor_checks(s: Settings, v: Serve) -> list[Check]:
         out.append(Check("interface", "fail", f"an interface that reaches HEAD_ADDR={v.head_addr}", "none",
                          exc.message))
     if v.node_rank:
-        code, body = call(url(v), "/state", timeout=3)
-        out.append(Check("head", "pass" if code == 200 else "warn", f"the head's registry at {url(v)}",
-                         "answers" if code == 200 else f"no answer ({body.get('error')})",
-                         "start the head (a worker waits for it, so this is only a warning before it is up)"))
+        code, body = call(url(v), "/state", secret=v.nodes_secret, timeout=3)
+        if code == 401:
+            out.append(Check("head", "fail", f"the head's registry at {url(v)} to accept this node's calls",
+                             f"refused: {body.get('error')}", "set the same NODES_SECRET on every node"))
+        else:
+            out.append(Check("head", "pass" if code == 200 else "warn", f"the head's registry at {url(v)}",
+                             "answers" if code == 200 else f"no answer ({body.get('error')})",
+                             "start the head (a worker waits for it, so this is only a warning before it is up)"))
     else:
         with socket.socket() as sock:
             try:

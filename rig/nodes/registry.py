@@ -2,8 +2,10 @@
 
 The head's rig spawns it (:func:`open_registry`) in a session of its own, so that it outlives a detached start:
 a small HTTP service on ``HEAD_ADDR:NODES_PORT`` that holds, in memory, which workers joined with the head's
-build (:class:`Registry`), their beats, and the head's flags (go, ready, stop). Its settings come on stdin (the
-token among them, so that no other user's process sees it). The rest of this module is the head's side of it:
+build (:class:`Registry`), their beats, and the head's flags (go, ready, stop). Every call is signed with
+``NODES_SECRET`` (rig/nodes/client.py); one that is not is refused with 401 and a line in ``RIG_STATE/registry.log``
+naming its address. Its settings come on stdin (the token and the secret among them, so that no other user's
+process sees them). The rest of this module is the head's side of it:
 waiting for the workers, telling them, and the lines ``status`` prints from their beats.
 """
 
@@ -18,7 +20,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from rig.config import Serve, Settings
-from rig.console import say
+from rig.console import say, stamped
 from rig.errors import BadInput, WorkFailed, problem
 from rig.nodes import client
 from rig.nodes.client import Role, call
@@ -27,8 +29,8 @@ from rig.nodes.client import Role, call
 class Registry:
     """The head's view of the nodes, kept in memory by the registry process."""
 
-    def __init__(self, nodes: int, head: dict, token: str) -> None:
-        self.nodes, self.head, self.token = nodes, head, token
+    def __init__(self, nodes: int, head: dict, token: str, secret: str) -> None:
+        self.nodes, self.head, self.token, self.secret = nodes, head, token, secret
         self.members: dict[int, dict] = {}
         self.refused: dict[int, str] = {}
         self.flags = {"go": False, "ready": False, "stop": False}
@@ -83,12 +85,25 @@ def _handler(reg: Registry) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(raw)
 
+        def _signed(self, raw: bytes) -> bool:
+            """Whether the call carries a good signature; else a 401 and a line naming the caller."""
+            why = client.refusal(reg.secret, self.command, self.path, self.headers.get(client.STAMP),
+                                 self.headers.get(client.SIGNATURE), raw)
+            if why:
+                stamped(f"refused {self.command} {self.path} from {self.client_address[0]}: {why}")
+                self._send(401, {"error": f"refused: {why}"})
+            return not why
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            self._send(*((200, reg.state()) if self.path == "/state" else (404, {"error": self.path})))
+            if self._signed(b""):
+                self._send(*((200, reg.state()) if self.path == "/state" else (404, {"error": self.path})))
 
         def do_POST(self) -> None:  # noqa: N802
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if not self._signed(raw):
+                return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                body = json.loads(raw or b"{}")
             except ValueError:
                 body = {}
             route = {"/join": reg.join, "/beat": reg.beat, "/control": reg.control}.get(self.path)
@@ -103,7 +118,7 @@ def _handler(reg: Registry) -> type[BaseHTTPRequestHandler]:
 def main() -> None:
     """The registry process: its settings from stdin (what :func:`open_registry` wrote), then serve forever."""
     conf = json.loads(sys.stdin.read())
-    reg = Registry(conf["nodes"], conf["identity"], conf["token"])
+    reg = Registry(conf["nodes"], conf["identity"], conf["token"], conf["secret"])
     ThreadingHTTPServer((conf["bind"], conf["port"]), _handler(reg)).serve_forever()
 
 
@@ -114,14 +129,15 @@ def open_registry(s: Settings, v: Serve, ident: dict, bind: str) -> Role:
     """Start the registry for this head's engine, and wait until it answers."""
     client.end_helper(s)  # an earlier head's, left by a crash
     token = secrets.token_hex(16)
-    conf = {"nodes": v.nodes, "identity": ident, "token": token, "bind": bind, "port": v.nodes_port}
+    conf = {"nodes": v.nodes, "identity": ident, "token": token, "secret": v.nodes_secret, "bind": bind,
+            "port": v.nodes_port}
     proc = client.spawn("rig.nodes.registry", dict(os.environ), s.state_dir / "registry.log",
                         json.dumps(conf).encode())
     base = f"http://{bind}:{v.nodes_port}"
     end = time.monotonic() + 15
     while time.monotonic() < end:
-        if call(base, "/state", timeout=1)[0] == 200:
-            role = Role("head", proc.pid, client.create_time(proc.pid), base, 0, token, v.dist_backend)
+        if call(base, "/state", secret=v.nodes_secret, timeout=1)[0] == 200:
+            role = Role("head", proc.pid, client.create_time(proc.pid), base, 0, token, v.dist_backend, v.nodes_secret)
             client.save_role(s, role)
             say(f"nodes: registry on {bind}:{v.nodes_port} (pid {proc.pid}); waiting for {v.nodes - 1} worker(s)")
             return role
@@ -140,7 +156,7 @@ def wait_for_workers(v: Serve, role: Role) -> None:
     last_line = t0
     want = set(range(1, v.nodes))
     while True:
-        code, st = call(role.url, "/state")
+        code, st = call(role.url, "/state", secret=role.secret)
         if code == 200:
             if st["refused"]:
                 raise BadInput("; ".join(problem(f"node {r}", "the head's build and checkpoint", m, "run ./build.sh "
@@ -167,7 +183,7 @@ def wait_for_workers(v: Serve, role: Role) -> None:
 
 
 def tell(role: Role, action: str) -> None:
-    call(role.url, "/control", {"token": role.token, "action": action})
+    call(role.url, "/control", {"token": role.token, "action": action}, secret=role.secret)
 
 
 def stop_workers(role: Role, timeout: float) -> list[str]:
@@ -175,7 +191,7 @@ def stop_workers(role: Role, timeout: float) -> list[str]:
     tell(role, "stop")
     end = time.monotonic() + timeout
     while True:
-        code, st = call(role.url, "/state")
+        code, st = call(role.url, "/state", secret=role.secret)
         if code != 200:
             return ["the registry did not answer: each worker's agent stops its engine when the head is gone"]
         lost = client.LOST
@@ -187,9 +203,28 @@ def stop_workers(role: Role, timeout: float) -> list[str]:
         time.sleep(0.2)
 
 
+def missing_engine(role: Role, go: float) -> str:
+    """What the head's start looks at while its engine starts (``go``: when it told the workers to start theirs):
+    '' while every worker that joined runs or starts its engine, else what is wrong, naming the worker: its agent
+    reports the engine gone, or it has not beaten for ``LOST`` seconds since the go (it joined, then started no
+    engine: vLLM's init on the head would wait for it until START_TIMEOUT)."""
+    code, st = call(role.url, "/state", secret=role.secret, timeout=2)
+    if code != 200:
+        return ""  # the registry's own trouble: status reports it; the engine's health decides the start
+    for r, m in sorted(st["members"].items()):
+        quiet = st["now"] - max(m["beat"], go)
+        if m["engine"] in ("gone", "left"):
+            return f"worker {r} ({m['address']}): its engine is {m['engine']}" + (f" ({m['detail']})" if m["detail"]
+                                                                                   else "")
+        if quiet > client.LOST:
+            return (f"worker {r} ({m['address']}): joined, then no beat for {quiet:.0f} s since the head's go: no "
+                    "engine of this start runs there")
+    return ""
+
+
 def node_lines(role: Role) -> tuple[bool, list[str]]:
     """(every worker's engine runs, a line per node) from the registry's beats."""
-    code, st = call(role.url, "/state")
+    code, st = call(role.url, "/state", secret=role.secret)
     if code != 200:
         return False, [f"the node registry at {role.url} does not answer ({st.get('error')})"]
     ok, lines = True, []
