@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # The rig's patched vLLM v0.30.0 as an image: built on a box with no GPU and no driver, run on the GPU host.
 #
 #   Route 1, the kernels of artifacts/ (./build.sh packed them): no compile, about 2 minutes
@@ -6,6 +5,9 @@
 #   Route 2, ./build.sh inside the image: a compile takes 20-40 minutes and about 15 GB of build disk
 #     docker build -t vllm:latest .          (a series of Python-only patches takes the official wheel's
 #                                             kernels; --build-arg OPS_ROUTE=compile compiles anyway)
+#
+# No parser directive names a frontend image: one would make BuildKit fetch it from Docker Hub, which a
+# mirror-only or air-gapped build box cannot reach; the built-in frontend reads all of this file.
 #
 # Both download vLLM v0.30.0 and the hash-pinned wheels, so the build needs the network. docker-compose.yml
 # passes the `ops`, `uvcache` and `pipcache` contexts itself.

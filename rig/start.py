@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from rig import box, config, demo, engine, gpugate, logs, raycluster, serve, supervise
+from rig import box, config, demo, engine, gpugate, limits, logs, raycluster, sdnotify, serve, supervise
 from rig.buildlock import BuildLock
 from rig.config import Serve, Settings
 from rig.console import say, warn
@@ -32,6 +32,9 @@ def run(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool,
         env = _demo_env(env)
     s, v, p = serve.inputs(env)
     say(f"profile: {p.name} ({p.path}); the {s.device} build")
+    if foreground and env.get(sdnotify.VAR):  # under the unit: the limits it asks for, as this process got them
+        for line in limits.shortfalls(limits.asked()):
+            warn(line)
     if not dry_run and _earlier_engine(s, v, attached=foreground or not s.log):
         return 0
     if build:

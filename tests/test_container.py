@@ -113,6 +113,18 @@ def test_verify_run_line_is_the_standard_library_verify_against_this_image():
     assert any(i == "ARG" and a.startswith("ARCH=") for i, a, _ in instructions())
 
 
+def test_the_dockerfile_names_no_frontend_image_to_fetch():
+    """A ``# syntax=`` directive makes BuildKit pull its frontend from Docker Hub before anything else: a build box
+    with a mirror only (or none) stops there. Directives are the leading ``# key=value`` comment lines."""
+    leading = []
+    for line in DOCKERFILE.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        leading.append(line)
+    directives = [line for line in leading if re.match(r"^#\s*[A-Za-z]+\s*=", line)]
+    assert directives == [], directives
+
+
 def test_dockerfile_base_args_caches_and_command():
     ins = instructions()
     froms = [a for i, a, _ in ins if i == "FROM"]

@@ -474,3 +474,32 @@ def test_a_worker_node_is_installed_with_its_rank_and_the_same_unit(tmp_path):
     assert "a worker waits for the head's" in unit and "ExecStart=" + str(ROOT) + "/start.sh" in unit
     again = run_rig(dict(os.environ), "service", "install", "--root", str(tmp_path), "--node-rank", "2")
     assert again.code == 0 and "set NODE_RANK=2 (and NODES, HEAD_ADDR) in" in again.err
+
+
+def test_the_units_limits_are_read_from_the_unit_itself():
+    import resource
+
+    from rig import limits
+    assert limits.asked() == {"LimitNOFILE": 65536, "LimitMEMLOCK": resource.RLIM_INFINITY}
+
+
+def test_under_the_unit_a_limit_the_box_did_not_grant_is_named(tmp_path):
+    """A box whose root lacks CAP_SYS_RESOURCE starts the unit with lower limits than it asks for, silently:
+    the foreground start under systemd (NOTIFY_SOCKET set) names each one; outside the unit nothing is said."""
+    import resource
+
+    def lowered() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
+
+    env = {**os.environ, "RIG_STATE": str(tmp_path / "state"), "LOG": "", "NOTIFY_SOCKET": str(tmp_path / "notify")}
+    argv = [sys.executable, "-m", "rig.cli", "start", "--demo", "--dry-run", "--foreground", "--no-build",
+            "--skip-box-check"]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, preexec_fn=lowered)
+    assert "LimitNOFILE: the unit asks for 65536, this process got 1024 (hard limit 1024) for open files" in r.stderr, \
+        r.stdout + r.stderr
+    assert "LimitMEMLOCK: the unit asks for infinity, this process got 65536" in r.stderr
+    assert "--ulimit" in r.stderr
+    env.pop("NOTIFY_SOCKET")
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, preexec_fn=lowered)
+    assert "the unit asks for" not in r.stdout + r.stderr
