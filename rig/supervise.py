@@ -249,8 +249,8 @@ def start(launch: Launch) -> int:
     if rec.ready:  # healthy, not stopped while starting: systemd's Type=notify start is over
         sdnotify.notify("READY=1", f"STATUS=ready: {v.names[0]} on {s.host}:{s.port}, pid {proc.pid}")
     watch = _watch(s, v, rec, stopping) if v.hang_window and rec.ready else None
-    code = proc.wait()
-    by_rig = _stopped_by_rig(s, rec)  # before this supervisor removes the pid file itself
+    code, orphaned = _wait_engine(s, v, rec, proc, lambda: stopping.is_set() or bool(watch and watch.hang))
+    by_rig = not orphaned and _stopped_by_rig(s, rec)  # before this supervisor removes the pid file itself
     if watch:
         watch.stop(v.stop_timeout + 10)  # a hang being handled: its terminate() finishes first
     leftover = terminate(rec.pgid, v.stop_timeout)  # workers the server left behind
@@ -258,6 +258,10 @@ def start(launch: Launch) -> int:
     clear_runtime(s)
     if leftover:
         warn(f"the engine left {len(leftover)} process(es) behind; they were stopped")
+    if orphaned:
+        say(f"engine stopped: its API server was gone (the group's exit {code}); exit 1, so systemd's "
+            "Restart=on-failure starts it again")
+        return 1
     if watch and watch.hang:
         say(f"engine stopped by the hang watchdog (its exit {code}); exit 1, so systemd's Restart=on-failure "
             "starts it again")
@@ -270,6 +274,27 @@ def start(launch: Launch) -> int:
         say(f"engine stopped by nox -s stop (exit {code})")
         return 0
     return code if code >= 0 else 128 - code
+
+
+def _wait_engine(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen,
+                 ending: Callable[[], bool]) -> tuple[int, bool]:
+    """Until the engine's group leader exits: (its exit code, whether the rig ended the group because the API
+    server was gone). With a log the leader is the log writer, which runs as long as anything holds the output
+    pipe: a killed API server leaves EngineCore holding it (and its memory), so the supervisor would wait forever
+    on an engine that serves nothing. Each second it looks for the server by its command line, unless the group
+    is being ended already (``ending``: a signal's stop, or the hang watchdog's)."""
+    while True:
+        try:
+            return proc.wait(timeout=1.0), False
+        except subprocess.TimeoutExpired:
+            pass
+        if ending() or server_alive(rec) or _stopped_by_rig(s, rec):
+            continue
+        error(problem("the engine's API server", "running while its engine runs", f"gone, leaving "
+                      f"{leftovers(rec) or 'nothing'} in its group (pid {rec.pgid})", "nothing by hand: the rig "
+                      "ends the group and exits 1, so systemd restarts it"))
+        terminate(rec.pgid, v.stop_timeout)
+        return proc.wait(), True
 
 
 def _stopped_by_rig(s: Settings, rec: Record) -> bool:

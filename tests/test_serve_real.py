@@ -692,6 +692,38 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     assert not state.exists()
 
 
+def test_a_killed_api_server_under_the_foreground_supervisor_ends_the_group_and_exits_1(served, tmp_path):
+    """What systemd would otherwise never see: kill -9 of the API server leaves EngineCore holding the log
+    writer's pipe (vLLM issue 55510), so the supervisor's leader runs on and the unit stays active, serving
+    nothing. The supervisor finds the server gone, ends the group, and exits 1 (Restart=on-failure)."""
+    import signal
+
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    fg = {**env, "PORT": str(free_port()), "LOG": str(tmp_path / "fg.log"), "STOP_TIMEOUT": "5"}
+    p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=fg,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    state = dest / ".rig" / "engine.toml"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and p.poll() is None:
+        if state.exists() and tomllib_load(state).get("ready"):
+            break
+        time.sleep(1)
+    assert p.poll() is None, p.stdout.read()[-4000:] if p.stdout else ""
+    rec = tomllib_load(state)
+    server = next(q for q in in_group(rec["pgid"]) if "serve" in (q.info["cmdline"] or [])[:3])
+    server.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    out, _ = p.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, out[-3000:]
+    assert "error: the engine's API server: expected running while its engine runs, found gone, leaving " in out
+    assert "VLLM::EngineCore" in out and "exit 1, so systemd's Restart=on-failure starts it again" in out, out[-3000:]
+    assert not engine_processes(rec["pgid"]), [q.info for q in engine_processes(rec["pgid"])]
+    assert not state.exists() and not (dest / ".rig" / "run").exists()
+    print(f"\nkill -9 of the API server under the foreground supervisor: exit 1 after {took:.1f} s")
+
+
 def test_a_bad_guard_value_stops_the_engine_naming_it(served, tmp_path):
     """The rig refuses GUARD=bogus itself (exit 2); the patched engine, started bare, refuses it too, before its
     engine core starts."""
