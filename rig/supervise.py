@@ -273,6 +273,11 @@ def start(launch: Launch) -> int:
         sdnotify.notify("STOPPING=1", "STATUS=stopped by nox -s stop")
         say(f"engine stopped by nox -s stop (exit {code})")
         return 0
+    if code == 0:  # vLLM's API server shuts down cleanly, exit 0, when its EngineCore has died: still a crash
+        error(problem("the engine", "running until it is stopped", "it ended on its own with exit 0 (vLLM's API "
+                      "server does that when its EngineCore has died)", "nothing by hand: the supervisor exits 1, "
+                      f"so systemd restarts it; why it died is in {s.log or 'the output above'}"))
+        return 1
     return code if code >= 0 else 128 - code
 
 
