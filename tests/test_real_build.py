@@ -45,22 +45,41 @@ def test_installed_vllm_runs_the_patched_tree(fresh):
     assert r.stdout.splitlines()[0] == str(dest / "vllm/vllm/entrypoints/serve/exposure.py")
 
 
-def test_the_engine_command_parses_under_the_real_vllm_serve_parser(fresh):
+NODES = [("mp", "0"), ("mp", "1"), ("ray", "0")]
+
+
+@pytest.fixture(scope="module")
+def parsed(fresh) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    """The rig's engine commands (the reference box's, and a node's of two such boxes for each backend and
+    rank), each taken by v0.30.0's own serve parser and validation, in one process (tests/vllm_parse.py)."""
     import json
 
     from rig import config, engine, profiles, topology
 
     dest, _, env = fresh
     s = config.settings({"VENV_DIR": str(dest / ".venv")}, root=dest)
+    ref = profiles.load("reference")
     v = config.serve_settings({"MODEL_NAME": "qwen38-flash-next Hinata"}, root=dest)
     four = topology.choose([0, 1, 2, 3], {(a, b): "not supported" for a in range(4) for b in range(4) if a != b})
-    eng = engine.command(s, v, four, Path("/models/scales.json"), profiles.load("reference"))
-    assert eng.argv[:2] == [str(dest / ".venv/bin/vllm"), "serve"]
-    r = subprocess.run([str(dest / ".venv/bin/python"), str(ROOT / "tests/vllm_parse.py"), *eng.argv[1:]],
-                       capture_output=True, text=True, env={**env, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/", timeout=600)
+    argvs = {"reference": engine.command(s, v, four, Path("/models/scales.json"), ref).argv}
+    two = topology.across([([0, 1, 2, 3], {})] * 2, layers=48)
+    for backend, rank in NODES:
+        v = config.serve_settings({"NODES": "2", "NODE_RANK": rank, "HEAD_ADDR": "10.0.0.1", "HEAD_PORT": "29601",
+                                   "NODES_SECRET": "s" * 64, "DIST_BACKEND": backend}, root=dest)
+        argvs[f"{backend}-{rank}"] = engine.command(s, v, two, None, ref).argv
+    r = subprocess.run([str(dest / ".venv/bin/python"), str(ROOT / "tests/vllm_parse.py")], capture_output=True,
+                       text=True, input=json.dumps({k: a[1:] for k, a in argvs.items()}),
+                       env={**env, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["model_tag"] == str(s.ckpt) and got["served_model_name"] == ["qwen38-flash-next", "Hinata"]
+    return argvs, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_engine_command_parses_under_the_real_vllm_serve_parser(fresh, parsed):
+    dest = fresh[0]
+    argvs, got = parsed
+    assert argvs["reference"][:2] == [str(dest / ".venv/bin/vllm"), "serve"]
+    got = got["reference"]
+    assert "error" not in got, got
     assert (got["tensor_parallel_size"], got["pipeline_parallel_size"]) == (2, 2)
     assert got["enable_expert_parallel"] and got["disable_custom_all_reduce"]
     assert got["kv_cache_dtype"] == "fp8" and got["max_model_len"] == 262144
@@ -70,27 +89,13 @@ def test_the_engine_command_parses_under_the_real_vllm_serve_parser(fresh):
     assert got["api_key"] is None and (got["host"], got["port"]) == ("127.0.0.1", 8000)
 
 
-@pytest.mark.parametrize("backend,rank", [("mp", "0"), ("mp", "1"), ("ray", "0")])
-def test_a_nodes_command_parses_under_the_real_vllm_serve_parser(fresh, backend, rank):
+@pytest.mark.parametrize("backend,rank", NODES)
+def test_a_nodes_command_parses_under_the_real_vllm_serve_parser(parsed, backend, rank):
     """Beyond one box: the head's and a headless worker's command (vLLM's multi-node executor), and the Ray
     head's, taken by v0.30.0's own serve parser and validation."""
-    import json
-
-    from rig import config, engine, profiles, topology
-
-    dest, _, env = fresh
-    s = config.settings({"VENV_DIR": str(dest / ".venv")}, root=dest)
-    v = config.serve_settings({"NODES": "2", "NODE_RANK": rank, "HEAD_ADDR": "10.0.0.1", "HEAD_PORT": "29601",
-                               "NODES_SECRET": "s" * 64,
-                               "DIST_BACKEND": backend}, root=dest)
-    four = topology.choose([0, 1, 2, 3], {(a, b): "not supported" for a in range(4) for b in range(4) if a != b})
-    two = topology.across([([0, 1, 2, 3], {})] * 2, layers=48)
-    eng = engine.command(s, v, two, None, profiles.load("reference"))
-    r = subprocess.run([str(dest / ".venv/bin/python"), str(ROOT / "tests/vllm_parse.py"), *eng.argv[1:]],
-                       capture_output=True, text=True, env={**env, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/", timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"]) == (2, 4) and four.pp == 2
+    got = parsed[1][f"{backend}-{rank}"]
+    assert "error" not in got, got
+    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"]) == (2, 4)
     if backend == "ray":
         assert got["distributed_executor_backend"] == "ray" and got["nnodes"] == 1
     else:
