@@ -435,11 +435,18 @@ def test_two_nodes_serve_one_model_through_the_head(two_nodes):
     assert s.returncode == 0, s.stdout + s.stderr
     assert "node 0 (127.0.0.1): the head, API and rank 0" in s.stdout
     assert "node 1 (127.0.0.1): engine running, beat" in s.stdout
+    # the worker's start again: its engine is already this head's rank 1, so it says so and starts nothing
+    again = subprocess.run([str(dest / "start.sh"), "--demo", "--no-build"], cwd=dest, env=worker,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already running: worker 1 of the head at http://127.0.0.1:" in again.stdout, again.stdout
     print(f"\ntwo-node demo to healthy: {both:.0f} s; one-node demo in the same run: {one:.0f} s "
           f"({both / one:.2f}x)")
 
 
 def test_a_killed_worker_makes_the_head_unhealthy_naming_the_node_and_stop_leaves_nothing(two_nodes):
+    from rig.nodes import client
+
     dest, head, worker, (hc, _), (wc, _), _ = two_nodes
     assert hc == 0 and wc == 0
     w_rec = tomllib_load(Path(worker["RIG_STATE"]) / "engine.toml")
@@ -452,12 +459,19 @@ def test_a_killed_worker_makes_the_head_unhealthy_naming_the_node_and_stop_leave
     t0 = time.monotonic()
     state = {}
     while time.monotonic() - t0 < 30:
-        state = json.loads(urllib.request.urlopen(role["url"] + "/state", timeout=5).read())
+        state = client.call(role["url"], "/state", secret=NODES_SECRET)[1]
         if state["members"]["1"]["engine"] == "gone":
             break
         time.sleep(0.1)
     seen = time.monotonic() - t0
     assert state["members"]["1"]["engine"] == "gone", state
+    try:  # the real registry refuses an unsigned call, and says so in its log
+        urllib.request.urlopen(role["url"] + "/state", timeout=5)
+        refused = 0
+    except urllib.error.HTTPError as exc:
+        refused = exc.code
+    assert refused == 401
+    assert "refused GET /state from 127.0.0.1: no signature" in (Path(head["RIG_STATE"]) / "registry.log").read_text()
     s = nox(dest, head, "-s", "status")
     assert s.returncode == 1, s.stdout + s.stderr
     assert "node 1 (127.0.0.1): engine GONE" in s.stdout, s.stdout
