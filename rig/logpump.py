@@ -6,7 +6,10 @@ file it has open; when logrotate has renamed it, it opens a new LOG. So rotation
 nothing, where ``copytruncate`` loses what is written between the copy and the truncation.
 
 It ignores SIGTERM, SIGINT and SIGHUP (they are meant for CMD, which shares its process group):
-it keeps writing until CMD has exited and said its last lines, then exits with CMD's status.
+it keeps writing until CMD has exited and said its last lines, then exits with CMD's status. A write that fails
+(the log's disk full, its folder gone) never stops it: it keeps reading CMD's output, so the engine never blocks
+on a full pipe, drops what it cannot write, tries again each second, and once a write succeeds puts one line in
+the log saying how much it dropped, between when and why. What was written before stays as it was.
 Standard library only, and no import of the rig: it runs before anything of the rig or the engine, as a script
 with no path to the repository (where the tree's folder vllm/ would shadow the installed package). So its one
 message, the usage line, is a plain ``print`` and not rig/console.py's.
@@ -21,6 +24,8 @@ import subprocess
 import sys
 import time
 
+RETRY = 1.0  # seconds between tries to write again after a failed write
+
 
 class Appender:
     """Appends to ``path``, reopening it when the path no longer names the open file."""
@@ -28,7 +33,14 @@ class Appender:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = -1
-        self._open()
+        self.ino = -1
+        self.dropped = self.lines = 0  # bytes and lines not written since the first failure, and when, and why
+        self.since, self.why, self.retry_at = 0.0, "", 0.0
+        self.mid_line = False  # the log ends inside a line (a write cut short): the note starts a line of its own
+        try:
+            self._open()
+        except OSError as exc:
+            self._drop(b"", exc)
 
     def _open(self) -> None:
         if self.fd >= 0:
@@ -37,14 +49,52 @@ class Appender:
         self.ino = os.fstat(self.fd).st_ino
 
     def write(self, data: bytes) -> None:
+        """Append ``data``; what cannot be written is dropped and counted, and the write is tried again after
+        ``RETRY`` seconds, led by a line saying what was dropped."""
+        if self.since and time.monotonic() < self.retry_at:
+            self._drop(data)
+            return
+        writing = False  # the note and the reopening come first: a failure there leaves all of ``data``
         try:
-            moved = os.stat(self.path).st_ino != self.ino
-        except FileNotFoundError:
-            moved = True
-        if moved:
-            self._open()
+            try:
+                moved = self.fd < 0 or os.stat(self.path).st_ino != self.ino
+            except FileNotFoundError:
+                moved = True
+            if moved:
+                self._open()
+            if self.since:
+                self._all(self._note())
+                self.dropped = self.lines = 0
+                self.since, self.why = 0.0, ""
+            writing = True
+            self._all(data)
+        except OSError as exc:
+            self._drop(getattr(exc, "left", data) if writing else data, exc)
+
+    def _all(self, data: bytes) -> bytes:
+        """Write all of ``data``; on a failure, the OSError carries what was left unwritten."""
         while data:
-            data = data[os.write(self.fd, data):]
+            try:
+                n = os.write(self.fd, data)
+                self.mid_line, data = not data[:n].endswith(b"\n"), data[n:]
+            except OSError as exc:
+                exc.left = data  # type: ignore[attr-defined]
+                raise
+        return data
+
+    def _drop(self, data: bytes, exc: OSError | None = None) -> None:
+        if exc is not None:
+            self.why = self.why or (exc.strerror or str(exc))
+            self.retry_at = time.monotonic() + RETRY
+        self.since = self.since or time.time()
+        self.dropped += len(data)
+        self.lines += data.count(b"\n")
+
+    def _note(self) -> bytes:
+        t0, t1 = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) for t in (self.since, time.time()))
+        lead = "\n" if self.mid_line else ""
+        return (f"{lead}==== {t1} the log writer dropped {self.lines} line(s), {self.dropped} bytes of the engine's "
+                f"output from {t0} to {t1}: {self.why or 'a write failed'} ({self.path})\n").encode()
 
 
 def run(log: str, cmd: list[str], drain: float = 1.0) -> int:

@@ -205,7 +205,11 @@ def start(launch: Launch) -> int:
         argv, env, offset = launch.engine.argv, sdnotify.engine_env(launch.engine.full_env()), 0
         if s.log:
             with logs.open_log(s.log) as log_fh:
-                log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {argv[0]} serve\n".encode())
+                try:
+                    log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {argv[0]} serve\n".encode())
+                except OSError as exc:  # a full disk must not keep the engine down: its log writer copes
+                    warn(f"LOG {s.log}: {exc.strerror}: the engine starts anyway; its log writer drops what it "
+                         "cannot write and says how much once the disk has room")
                 offset = os.fstat(log_fh.fileno()).st_size
             # The pump leads the group and writes the log, following a rotation by rename.
             # Run as a script (standard library only): no PYTHONPATH to the repository reaches the engine, where

@@ -503,3 +503,50 @@ def test_under_the_unit_a_limit_the_box_did_not_grant_is_named(tmp_path):
     env.pop("NOTIFY_SOCKET")
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, preexec_fn=lowered)
     assert "the unit asks for" not in r.stdout + r.stderr
+
+
+STEADY = """
+import sys, time
+for i in range(int(sys.argv[1])):
+    sys.stdout.write(f"line {i:06d}\\n")
+    sys.stdout.flush()
+    time.sleep(0.001)
+"""
+
+
+def test_a_full_log_disk_drops_lines_and_says_so_and_the_engine_never_blocks(tmp_path):
+    """The log on a 256 KiB tmpfs, filled while the engine writes, then freed: the log writer keeps reading (the
+    writer finishes, exit 0), keeps every line written before, drops what it cannot write, and says how much
+    once it can write again."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        log = disk / "vllm.log"
+        n = 3000
+        w = subprocess.Popen([sys.executable, "-m", "rig.logpump", str(log), "--", sys.executable, "-c", STEADY,
+                              str(n)], cwd=ROOT)
+        time.sleep(1.0)
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * 4096)
+                    fh.flush()
+            except OSError:
+                pass
+        time.sleep(1.5)
+        filler.unlink()
+        assert w.wait(timeout=60) == 0  # the producer never met a closed or a full pipe
+        text = log.read_text()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+    notes = [ln for ln in text.splitlines() if "the log writer dropped" in ln]
+    assert len(notes) == 1 and "No space left on device" in notes[0], notes
+    dropped = int(re.search(r"dropped (\d+) line\(s\)", notes[0])[1])
+    seen = [int(m[1]) for m in re.finditer(r"^line (\d{6})$", text, re.M)]
+    assert seen == sorted(seen) and seen[-1] == n - 1 and dropped > 0
+    assert len(seen) + dropped == n, (len(seen), dropped)
+    before = [int(m[1]) for m in re.finditer(r"^line (\d{6})$", text.split(notes[0])[0], re.M)]
+    assert before and before == list(range(len(before)))  # what was written before the disk filled is all there
