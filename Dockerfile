@@ -41,17 +41,23 @@ RUN apt-get update \
         python3-dev python3-venv tini zstd \
     && rm -rf /var/lib/apt/lists/*
 
+WORKDIR /opt/vllm
+# Every RUN that downloads sources scripts/host-ca.sh: with the build secret `host_ca` (the host's CA store,
+# for a TLS-inspecting proxy) pip, uv and requests trust it for that step; without it nothing changes.
+COPY scripts/host-ca.sh scripts/
+
 # cmake and ninja from PyPI at the versions the lock pins, and uv, in a venv of their own: Debian's Python
 # refuses pip installs into the system. The user's caches (`pipcache`, `uvcache`) are bind mounts, which
 # are read-only: what they hold is copied into the build's own cache mount, never the other way.
 RUN --mount=type=cache,target=/root/.cache/pip \
     --mount=type=bind,from=pipcache,target=/mnt/pipcache \
-    cp -a --update=none /mnt/pipcache/. /root/.cache/pip/ \
+    --mount=type=secret,id=host_ca \
+    . scripts/host-ca.sh \
+    && cp -a --update=none /mnt/pipcache/. /root/.cache/pip/ \
     && python3 -m venv /opt/tools \
     && /opt/tools/bin/pip install --disable-pip-version-check cmake==4.4.5 ninja==1.13.2 uv==0.13.9 \
     && ln -s /opt/tools/bin/cmake /opt/tools/bin/ninja /opt/tools/bin/uv /usr/local/bin/
 
-WORKDIR /opt/vllm
 COPY . .
 
 # PACK=0: the image is the product, no artifacts/ inside it. uv copies out of its cache (a mount) and uses
@@ -67,7 +73,9 @@ ENV VLLM_DIR=/opt/vllm/vllm \
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=cache,target=/root/.cache/vllm-rig \
     --mount=type=bind,from=uvcache,target=/mnt/uvcache \
-    cp -a --update=none /mnt/uvcache/. /root/.cache/uv/ \
+    --mount=type=secret,id=host_ca \
+    . scripts/host-ca.sh \
+    && cp -a --update=none /mnt/uvcache/. /root/.cache/uv/ \
     && ./build.sh --only tools,tree,venv,runtime,toolchain \
     && python3 -m rig.container target
 
@@ -79,7 +87,9 @@ RUN --mount=type=cache,target=/root/.cache/uv \
 # the kernels to route 2.
 RUN --mount=type=bind,from=ops,target=/ops \
     --mount=type=cache,target=/root/.cache/uv \
-    if [ -z "$(find /ops -mindepth 1 -maxdepth 1 -print -quit)" ]; then \
+    --mount=type=secret,id=host_ca \
+    . scripts/host-ca.sh \
+    && if [ -z "$(find /ops -mindepth 1 -maxdepth 1 -print -quit)" ]; then \
         echo "route 2: the ops context is empty, so ./build.sh makes the kernels"; exit 0; fi \
     && python3 -m rig.container verify --artifacts /ops \
     && uv run --no-project --with-editable . python3 -m rig.container adopt --artifacts /ops
@@ -91,12 +101,16 @@ RUN --mount=type=bind,from=ops,target=/ops \
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=cache,target=/root/.cache/ccache \
     --mount=type=cache,target=/root/.cache/vllm-rig \
-    ./build.sh \
+    --mount=type=secret,id=host_ca \
+    . scripts/host-ca.sh \
+    && ./build.sh \
     && rm -rf "$VLLM_DIR/build"
 
 # start.sh runs through `uv run` of noxfile.py: its environment is made here, outside any cache mount, so
 # it is part of the image and a container start needs no network.
-RUN scripts/nox.sh -l > /dev/null
+RUN --mount=type=secret,id=host_ca \
+    . scripts/host-ca.sh \
+    && scripts/nox.sh -l > /dev/null
 
 # Inside the container the API listens on every interface; the address Docker publishes it on decides who
 # reaches it. LOG empty keeps the engine's output on stdout (docker logs). STOP_TIMEOUT stays under the

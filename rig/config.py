@@ -217,6 +217,10 @@ VARS: tuple[Var, ...] = (
         "the network (Docker's publishing bypasses the host firewall).", group="compose"),
     Var("CACHE_HOST_DIR", ".vllm-cache", "Container: the host folder mounted as the compile cache at `/cache`.",
         group="compose"),
+    Var("HOST_CA_FILE", "/etc/ssl/certs/ca-certificates.crt", "Image build: the host's CA store, passed to the "
+        "build as the secret `host_ca` (mounted for the steps that download, never copied into the image), so a "
+        "TLS-inspecting proxy's CA is trusted there; on RHEL-like hosts `/etc/pki/tls/certs/ca-bundle.crt`.",
+        group="compose"),
 )
 
 VAR_NAMES = frozenset(v.name for v in VARS)

@@ -125,6 +125,36 @@ def test_the_dockerfile_names_no_frontend_image_to_fetch():
     assert directives == [], directives
 
 
+DOWNLOADS = ("pip install", "./build.sh", "uv run", "scripts/nox.sh")  # what in a RUN reaches the network
+
+
+def test_every_step_that_downloads_trusts_the_hosts_ca_when_the_build_is_given_it():
+    """Behind a TLS-inspecting proxy, pip, uv and requests need the host's CA store: each RUN that downloads
+    mounts the build secret `host_ca` (never copied into a layer) and sources scripts/host-ca.sh first."""
+    runs = [run_parts(a) for i, a, _ in instructions() if i == "RUN"]
+    downloading = [(m, c) for m, c in runs if any(d in c for d in DOWNLOADS)]
+    assert len(downloading) == 5, [c[:60] for _, c in downloading]
+    for mounts, cmd in downloading:
+        assert {"type": "secret", "id": "host_ca"} in mounts, cmd[:80]
+        assert cmd.startswith(". scripts/host-ca.sh && "), cmd[:80]
+    copies = [a for i, a, _ in instructions() if i == "COPY"]
+    assert copies[0] == "scripts/host-ca.sh scripts/"  # there before the first download
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_host_ca_sh_points_pip_uv_and_requests_at_the_secret_only_when_it_is_there(tmp_path, given):
+    secret = tmp_path / "host_ca"
+    if given:
+        secret.write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {"PATH": os.environ["PATH"], "HOST_CA_SECRET": str(secret)}
+    r = subprocess.run([*shell(), '. scripts/host-ca.sh && echo "[$SSL_CERT_FILE|$PIP_CERT|$REQUESTS_CA_BUNDLE|'
+                        '${host_ca:-}]"'], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    want = f"[{secret}|{secret}|{secret}|]" if given else "[|||]"
+    assert r.stdout.splitlines()[-1] == want
+    assert ("trusting the host's CA store" in r.stdout) is given
+
+
 def test_dockerfile_base_args_caches_and_command():
     ins = instructions()
     froms = [a for i, a, _ in ins if i == "FROM"]
@@ -143,7 +173,8 @@ def test_dockerfile_base_args_caches_and_command():
     # read-only binds, copied into the cache mounts: a builder never writes them back
     assert len(user) == 2 and all(m["type"] == "bind" and not {"rw", "readwrite"} & set(m) for m in user), user
     assert any(i == "RUN" and "./build.sh --only tools,tree,venv,runtime,toolchain" in a for i, a, _ in ins)
-    assert any(i == "RUN" and a.split("&&")[0].strip().endswith("./build.sh") for i, a, _ in ins)
+    assert any(i == "RUN" and "./build.sh" in [part.strip() for part in run_parts(a)[1].split("&&")]
+               for i, a, _ in ins)
     envs = " ".join(a for i, a, _ in ins if i == "ENV")
     assert 'LOG=""' in envs and "HOST=0.0.0.0" in envs and "CACHE_ROOT=/cache" in envs
     assert json.loads(next(a for i, a, _ in ins if i == "CMD"))[:2] == ["./start.sh", "--foreground"]
@@ -371,6 +402,16 @@ def rendered(tmp_path: Path, env_text: str | None = None, **shell_env: str) -> t
 
 def example() -> dict[str, str]:
     return dict(ln.split("=", 1) for ln in ENV_EXAMPLE.read_text().splitlines() if ln and not ln.startswith("#"))
+
+
+def test_compose_passes_the_hosts_ca_store_to_the_build_as_a_secret(tmp_path):
+    svc, _ = rendered(tmp_path)
+    assert [s["source"] for s in svc["build"]["secrets"]] == ["host_ca"]
+    env_text = ENV_EXAMPLE.read_text().replace("\nMODEL_DIR=\n", f"\nMODEL_DIR={REF_CKPT}\n")
+    r = compose(tmp_path, env_text.replace("HOST_CA_FILE=/etc/ssl/certs/ca-certificates.crt",
+                                           "HOST_CA_FILE=/etc/pki/ca.pem"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["secrets"]["host_ca"]["file"] == "/etc/pki/ca.pem"
 
 
 def test_compose_renders_with_the_example_env(tmp_path):
