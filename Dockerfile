@@ -17,6 +17,15 @@ FROM scratch AS ops
 FROM scratch AS uvcache
 FROM scratch AS pipcache
 
+# The route-1 layer's cache key is the kernels themselves. buildah and podman key a RUN by its text and the
+# layers before it, not by what a bound context holds: without this stage a rebuild after artifacts/ changed
+# (or was emptied) reuses the old route-1 layer, old kernels and all. It copies the `ops` context (the stage is
+# thrown away) and keeps its manifest and sha256 list, which name the tarball; copied in before route 1, that
+# file changes whenever the kernels do. An empty context gives an empty key: route 2.
+FROM debian:trixie-slim AS opskey
+COPY --from=ops . /ops/
+RUN { cat /ops/manifest.toml /ops/ops.sha256 2>/dev/null || true; } > /ops.key
+
 # Debian 13 (trixie): kernels built on Debian 13 need glibc 2.38, and bookworm's 2.36 cannot load them.
 FROM debian:trixie-slim
 
@@ -85,6 +94,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
 # installs anything; a tarball from another tree stops the build naming the item. The kernels are then recorded
 # as the ops step's products and vllm is installed editable without a compile. An empty `ops` context leaves
 # the kernels to route 2.
+COPY --from=opskey /ops.key /usr/local/share/rig/ops.key
 RUN --mount=type=bind,from=ops,target=/ops \
     --mount=type=cache,target=/root/.cache/uv \
     --mount=type=secret,id=host_ca \

@@ -137,7 +137,7 @@ def test_every_step_that_downloads_trusts_the_hosts_ca_when_the_build_is_given_i
     for mounts, cmd in downloading:
         assert {"type": "secret", "id": "host_ca"} in mounts, cmd[:80]
         assert cmd.startswith(". scripts/host-ca.sh && "), cmd[:80]
-    copies = [a for i, a, _ in instructions() if i == "COPY"]
+    copies = [a for i, a, _ in instructions() if i == "COPY" and not a.startswith("--from=")]
     assert copies[0] == "scripts/host-ca.sh scripts/"  # there before the first download
 
 
@@ -155,12 +155,27 @@ def test_host_ca_sh_points_pip_uv_and_requests_at_the_secret_only_when_it_is_the
     assert ("trusting the host's CA store" in r.stdout) is given
 
 
+def test_the_route_1_layer_is_keyed_by_the_kernels_themselves():
+    """buildah keys a RUN by its text, not by a bound context's content: a rebuild after artifacts/ changed would
+    reuse the old route-1 layer. The key file (the context's manifest and sums) is copied in just before it."""
+    ins = instructions()
+    stages = [n for n, (i, a, _) in enumerate(ins) if i == "FROM"]
+    key = next(n for n in stages if ins[n][1].endswith(" AS opskey"))
+    body = ins[key + 1:next(n for n in stages if n > key)]
+    assert ("COPY", "--from=ops . /ops/", body[0][2]) == body[0] and body[1][0] == "RUN"
+    assert "/ops/manifest.toml /ops/ops.sha256" in body[1][1] and "> /ops.key" in body[1][1]
+    route1 = next(n for n, (i, a, _) in enumerate(ins) if i == "RUN" and "rig.container verify" in a)
+    assert ins[route1 - 1][:2] == ("COPY", "--from=opskey /ops.key /usr/local/share/rig/ops.key")
+    assert (artifacts.MANIFEST, artifacts.SUMS) == ("manifest.toml", "ops.sha256")  # the names the key reads
+
+
 def test_dockerfile_base_args_caches_and_command():
     ins = instructions()
     froms = [a for i, a, _ in ins if i == "FROM"]
     assert {"scratch AS ops", "scratch AS uvcache", "scratch AS pipcache"} <= set(froms)
-    base = [(a, c) for i, a, c in ins if i == "FROM" and not a.startswith("scratch")]
+    base = [(a, c) for i, a, c in ins if i == "FROM" and not a.startswith("scratch") and " AS " not in a]
     assert len(base) == 1 and base[0][0].startswith("debian:trixie")
+    assert f"{base[0][0]} AS opskey" in froms  # the key stage needs no other image
     assert any("glibc 2.38" in line for line in base[0][1]), "say why trixie where the base is chosen"
     args = [(a, c) for i, a, c in ins if i == "ARG"]
     assert {a.split("=")[0] for a, _ in args} >= {"MAX_JOBS", "ARCH"}
