@@ -15,7 +15,7 @@ from rig.console import note
 
 #: command -> Debian package
 DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd",
-          "logrotate": "logrotate", "systemd-analyze": "systemd"}
+          "logrotate": "logrotate", "systemd-analyze": "systemd", "buildah": "buildah", "busybox": "busybox-static"}
 
 
 def ensure() -> list[str]:

@@ -169,6 +169,55 @@ def test_the_route_1_layer_is_keyed_by_the_kernels_themselves():
     assert (artifacts.MANIFEST, artifacts.SUMS) == ("manifest.toml", "ops.sha256")  # the names the key reads
 
 
+def buildah(root: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    """The real buildah, with its own storage under ``root`` (vfs: no mounts to clean up), as root does."""
+    return subprocess.run(["buildah", "--root", str(root / "storage"), "--runroot", str(root / "run"),
+                           "--storage-driver", "vfs", *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.mark.container
+def test_buildah_runs_route_1_again_when_the_kernels_change_and_reuses_it_when_they_do_not(tmp_path):
+    """The Dockerfile's own key stage and key COPY, built by the real buildah on a busybox base (the rest of the
+    image needs hours and a registry): route 1's stand-in runs again after a repack, and not for the same kernels."""
+    if not shutil.which("buildah") or not Path("/bin/busybox").exists() or os.geteuid() != 0:
+        pytest.skip("needs root, buildah and busybox-static (python -m rig.testdeps installs them)")
+    rootfs = tmp_path / "rootfs" / "bin"
+    rootfs.mkdir(parents=True)
+    shutil.copy("/bin/busybox", rootfs / "busybox")
+    for name in ("sh", "cat", "true", "echo"):
+        (rootfs / name).symlink_to("busybox")
+    ctr = buildah(tmp_path, "from", "scratch").stdout.strip()
+    assert buildah(tmp_path, "copy", ctr, str(rootfs.parent), "/").returncode == 0
+    assert buildah(tmp_path, "commit", "-q", ctr, "localhost/rig-mini").returncode == 0
+    text = DOCKERFILE.read_text()
+    stage = text[text.index("FROM debian:trixie-slim AS opskey"):]
+    stage = stage[:stage.index("\nFROM ")].replace("debian:trixie-slim", "localhost/rig-mini")
+    copy = next(line for line in text.splitlines() if line.startswith("COPY --from=opskey "))
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx" / "Dockerfile").write_text(
+        f"FROM scratch AS ops\n{stage}\nFROM localhost/rig-mini\n{copy}\n"
+        "RUN --mount=type=bind,from=ops,target=/ops sh -c 'echo \"route 1 ran: $(cat /ops/manifest.toml)\"'\n")
+    ops = tmp_path / "artifacts"
+    ops.mkdir()
+
+    def build(context: Path) -> list[str]:
+        """What route 1's stand-in printed (nothing when its layer was taken from the cache)."""
+        r = buildah(tmp_path, "bud", "--isolation", "chroot", "--layers", "--build-context", f"ops={context}",
+                    "-t", "localhost/rig-key", str(tmp_path / "ctx"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        return re.findall(r"^route 1 ran: (.*)$", r.stdout, re.M)
+
+    (ops / "manifest.toml").write_text("tarball = 'one'\n")
+    (ops / "ops.sha256").write_text("1" * 64 + "  ops.tar.zst\n")
+    assert build(ops) == ["tarball = 'one'"]
+    assert build(ops) == []  # the same kernels: the layer is reused
+    (ops / "manifest.toml").write_text("tarball = 'two'\n")
+    assert build(ops) == ["tarball = 'two'"]  # a repack: never the old layer
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert build(empty) == [""]  # no kernels: route 2's empty key, not the last route-1 layer
+
+
 def test_dockerfile_base_args_caches_and_command():
     ins = instructions()
     froms = [a for i, a, _ in ins if i == "FROM"]
