@@ -19,7 +19,6 @@ it so, right after its own demo engines, so the files are warm anyway): three en
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import signal
@@ -28,14 +27,13 @@ import sys
 import tempfile
 import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rig.health import port_open  # noqa: E402
-from rig.nodes.client import BEAT  # noqa: E402
+from rig.nodes.client import BEAT, call  # noqa: E402
 
 
 def free_port() -> int:
@@ -103,8 +101,7 @@ def main() -> None:
             server = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _headless(int(pid), rec))
             os.kill(server, signal.SIGKILL)
             t1 = time.perf_counter()
-            while json.loads(urllib.request.urlopen(url + "/state", timeout=5).read())["members"]["1"]["engine"] \
-                    != "gone":
+            while call(url, "/state", secret=head["NODES_SECRET"])[1]["members"]["1"]["engine"] != "gone":
                 if time.perf_counter() - t1 > 60:
                     raise SystemExit("the head's registry did not report the killed worker in 60 s")
                 time.sleep(0.02)
