@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -42,11 +41,10 @@ from timing import median_time, timed  # noqa: E402 - benchmarks/timing.py
 
 from rig.config import serve_settings, settings  # noqa: E402
 from rig.demo import ensure as ensure_demo  # noqa: E402
-from rig.engine import runtime_dir  # noqa: E402
 from rig.health import health  # noqa: E402
 from rig.profiles import load as load_profile  # noqa: E402
 from rig.serve import BoxReport, plan  # noqa: E402
-from rig.supervise import terminate  # noqa: E402
+from rig.supervise import clear_runtime, fresh_runtime, terminate  # noqa: E402
 
 
 def free_port() -> int:
@@ -61,8 +59,7 @@ def bare_serve(rig: Path, env: dict[str, str]) -> float:
     s, v = settings(env, root=rig), serve_settings(env, root=rig)
     p = load_profile(s.profile, rig / "models")
     eng = plan(s, v, p, BoxReport(None, checked=False)).engine  # the rig's own plan: what ./start.sh runs
-    run = runtime_dir(s)  # the engine's runtime folder, which the rig's supervisor makes before each start
-    run.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fresh_runtime(s)  # the engine's runtime folder, which the rig's supervisor makes before each start
     t0 = time.perf_counter()
     proc = subprocess.Popen(eng.argv, env=eng.full_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, cwd="/")
@@ -76,7 +73,7 @@ def bare_serve(rig: Path, env: dict[str, str]) -> float:
         return time.perf_counter() - t0
     finally:
         terminate(proc.pid, 20)
-        shutil.rmtree(run, ignore_errors=True)
+        clear_runtime(s)
 
 
 def probe_cost(env: dict[str, str], n: int) -> None:

@@ -130,12 +130,13 @@ def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
     if p.memory_utilization:
         argv += ["--gpu-memory-utilization", str(p.memory_utilization)]
     argv += list(p.extra_args)
+    run = str(runtime_dir(s))
     env = {
         "VLLM_LOG_STATS_INTERVAL": v.stats_interval,
         "PYTHONUNBUFFERED": "1",  # log lines reach the file as they happen, not at exit
         **cache_env(v.cache_root),
-        "TMPDIR": str(runtime_dir(s)),
-        "VLLM_RPC_BASE_PATH": str(runtime_dir(s)),
+        "TMPDIR": run,
+        "VLLM_RPC_BASE_PATH": run,
         **t.env,
         **p.env,
         "PLE_HOME": str(v.ple_home),

@@ -42,6 +42,9 @@ POLL = 0.25
 #: (benchmarks/demo_start.py), and every second between the engine's readiness and the next probe is a second
 #: added to the start.
 RETRY = 0.5
+#: Seconds the log writer gets to follow a server that exited (it drains the pipe for 1 s, rig/logpump.py) before
+#: the server counts as killed with its group left behind.
+LEADER_GRACE = 3.0
 
 
 @dataclass
@@ -102,6 +105,14 @@ def clear_runtime(s: Settings) -> int:
     n = sum(1 for _ in d.rglob("*"))
     shutil.rmtree(d, ignore_errors=True)
     return n
+
+
+def fresh_runtime(s: Settings) -> int:
+    """An empty runtime folder for the engine about to start (any start of the rig's command, bare ones too);
+    how many files a gone engine had left there."""
+    left = clear_runtime(s)
+    runtime_dir(s).mkdir(mode=0o700, parents=True, exist_ok=True)
+    return left
 
 
 def server_alive(rec: Record) -> bool:
@@ -199,9 +210,8 @@ def start(launch: Launch) -> int:
             say(running_message(rec))
             return 0
         v.cache_root.mkdir(parents=True, exist_ok=True)
-        if left := clear_runtime(s):
+        if left := fresh_runtime(s):
             say(f"removed {left} file(s) an engine that is gone left in {runtime_dir(s)}")
-        runtime_dir(s).mkdir(mode=0o700, parents=True, exist_ok=True)
         argv, env, offset = launch.engine.argv, sdnotify.engine_env(launch.engine.full_env()), 0
         if s.log:
             with logs.open_log(s.log) as log_fh:
@@ -299,6 +309,10 @@ def _wait_engine(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen,
             pass
         if ending() or server_alive(rec) or _stopped_by_rig(s, rec):
             continue
+        try:  # a server that exited on its own: the log writer follows with its status once the pipe is quiet
+            return proc.wait(timeout=LEADER_GRACE), False
+        except subprocess.TimeoutExpired:
+            pass
         error(problem("the engine's API server", "running while its engine runs", f"gone, leaving "
                       f"{leftovers(rec) or 'nothing'} in its group (pid {rec.pgid})", "nothing by hand: the rig "
                       "ends the group and exits 1, so systemd restarts it"))

@@ -650,6 +650,21 @@ def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_end
     assert not (dest / ".rig" / "run").exists()  # the runtime folder of the engine that was found dead, too
 
 
+def start_foreground(dest: Path, env: dict) -> tuple[subprocess.Popen, Path, dict]:
+    """``./start.sh --demo --foreground`` (what systemd and the container run), once its engine is ready: the
+    supervisor's process, the pid file and what it says."""
+    p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    state = dest / ".rig" / "engine.toml"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and p.poll() is None:
+        if state.exists() and tomllib_load(state).get("ready"):
+            break
+        time.sleep(1)
+    assert p.poll() is None, p.stdout.read()[-4000:] if p.stdout else ""
+    return p, state, tomllib_load(state)
+
+
 def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_inside_the_engine(served, probes,
                                                                                               tmp_path):
     """What systemd and the container do: ./start.sh --foreground, then SIGTERM to it. HOST=0.0.0.0 with no key:
@@ -665,16 +680,7 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     scales.write_text(json.dumps({"layers": [{"k_scale": 0.5, "v_scale": 0.25}, {"k_scale": 1.0, "v_scale": 2.0}]}))
     fg = {**env, "HOST": "0.0.0.0", "VLLM_API_KEY": "", "PORT": str(free_port()), "LOG": str(log), "GUARD": "raise",
           "COUNTERS": "1", "SCALES": str(scales), "QWEN38_ABLITERATION": "per-layer", "ABLITERATION_DIR": str(sets)}
-    p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=fg,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    state = dest / ".rig" / "engine.toml"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and p.poll() is None:
-        if state.exists() and tomllib_load(state).get("ready"):
-            break
-        time.sleep(1)
-    assert p.poll() is None, p.stdout.read()[-4000:] if p.stdout else ""
-    rec = tomllib_load(state)
+    p, state, rec = start_foreground(dest, fg)
     # the supervisor: start.sh execs nox.sh, which execs uv, which runs it as its child
     assert rec["ready"] and rec["supervisor"] in [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
     text = log.read_text(errors="replace")
@@ -727,16 +733,7 @@ def test_a_killed_engine_process_under_the_foreground_supervisor_ends_the_group_
     assert r.returncode == 0
     pick, said = KILLED[which]
     fg = {**env, "PORT": str(free_port()), "LOG": str(tmp_path / "fg.log"), "STOP_TIMEOUT": "5"}
-    p = subprocess.Popen([str(dest / "start.sh"), "--demo", "--foreground"], cwd=dest, env=fg,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    state = dest / ".rig" / "engine.toml"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and p.poll() is None:
-        if state.exists() and tomllib_load(state).get("ready"):
-            break
-        time.sleep(1)
-    assert p.poll() is None, p.stdout.read()[-4000:] if p.stdout else ""
-    rec = tomllib_load(state)
+    p, state, rec = start_foreground(dest, fg)
     victim = next(q for q in psutil.process_iter(["pid", "name", "cmdline"]) if os_pgid(q.pid) == rec["pgid"]
                   and pick(q))
     victim.send_signal(signal.SIGKILL)
