@@ -42,9 +42,6 @@ POLL = 0.25
 #: (benchmarks/demo_start.py), and every second between the engine's readiness and the next probe is a second
 #: added to the start.
 RETRY = 0.5
-#: Seconds the log writer gets to follow a server that exited (it drains the pipe for 1 s, rig/logpump.py) before
-#: the server counts as killed with its group left behind.
-LEADER_GRACE = 3.0
 
 
 @dataclass
@@ -309,10 +306,6 @@ def _wait_engine(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen,
             pass
         if ending() or server_alive(rec) or _stopped_by_rig(s, rec):
             continue
-        try:  # a server that exited on its own: the log writer follows with its status once the pipe is quiet
-            return proc.wait(timeout=LEADER_GRACE), False
-        except subprocess.TimeoutExpired:
-            pass
         error(problem("the engine's API server", "running while its engine runs", f"gone, leaving "
                       f"{leftovers(rec) or 'nothing'} in its group (pid {rec.pgid})", "nothing by hand: the rig "
                       "ends the group and exits 1, so systemd restarts it"))
