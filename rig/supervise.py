@@ -292,13 +292,18 @@ def start(launch: Launch) -> int:
     return code if code >= 0 else 128 - code
 
 
+LEADER_GRACE = 3.0  # seconds the log writer gets to follow a server that exited (its drain is 1 s of quiet)
+
+
 def _wait_engine(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen,
                  ending: Callable[[], bool]) -> tuple[int, bool]:
     """Until the engine's group leader exits: (its exit code, whether the rig ended the group because the API
-    server was gone). With a log the leader is the log writer, which runs as long as anything holds the output
-    pipe: a killed API server leaves EngineCore holding it (and its memory), so the supervisor would wait forever
-    on an engine that serves nothing. Each second it looks for the server by its command line, unless the group
-    is being ended already (``ending``: a signal's stop, or the hang watchdog's)."""
+    server was gone). With a log the leader is the log writer, which outlives the server while the server's
+    children keep writing to the output pipe: a killed API server can leave EngineCore holding it (and its memory),
+    so the supervisor would wait on an engine that serves nothing. Each second it looks for the server by its
+    command line, unless the group is being ended already (``ending``: a signal's stop, or the hang watchdog's).
+    A server found gone gets ``LEADER_GRACE`` for the log writer to follow it out: exit 0 is a server that shut
+    down on its own (vLLM's answer to a dead EngineCore, which start reports), anything else a killed one."""
     while True:
         try:
             return proc.wait(timeout=1.0), False
@@ -306,11 +311,17 @@ def _wait_engine(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen,
             pass
         if ending() or server_alive(rec) or _stopped_by_rig(s, rec):
             continue
+        try:  # a server that exited on its own is followed by the log writer within its drain: exit 0 is no kill
+            code = proc.wait(timeout=LEADER_GRACE)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code == 0:
+            return 0, False
         error(problem("the engine's API server", "running while its engine runs", f"gone, leaving "
                       f"{leftovers(rec) or 'nothing'} in its group (pid {rec.pgid})", "nothing by hand: the rig "
                       "ends the group and exits 1, so systemd restarts it"))
         terminate(rec.pgid, v.stop_timeout)
-        return proc.wait(), True
+        return (proc.wait() if code is None else code), True
 
 
 def _stopped_by_rig(s: Settings, rec: Record) -> bool:
