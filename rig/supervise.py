@@ -289,6 +289,10 @@ def start(launch: Launch) -> int:
                       "server does that when its EngineCore has died)", "nothing by hand: the supervisor exits 1, "
                       f"so systemd restarts it; why it died is in {s.log or 'the output above'}"))
         return 1
+    if code < 0:  # the leader killed: the log writer (the engine's output has nowhere to go) or the server
+        error(problem(f"the engine's {'log writer' if s.log else 'API server'} (pid {rec.pid}, its group's leader)",
+                      "running until the engine is stopped", f"killed by {signal.Signals(-code).name}",
+                      f"nothing by hand: the rig ended the group and exits {128 - code}, so systemd restarts it"))
     return code if code >= 0 else 128 - code
 
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import gzip
 import os
 import re
-import shlex
 import shutil
-import signal
-import socket
 import stat
-import struct
 import subprocess
 import sys
 import threading
@@ -22,7 +18,10 @@ import pytest
 import test_serve
 from conftest import ROOT, run_rig
 
-from rig import config, health, profiles, service, supervise
+from rig import config, health, profiles, service, supervise, unitfile
+from rig.unitfile import NotifySocket, commands
+from rig.unitfile import environment as unit_env
+from rig.unitfile import settings as settings_of
 
 rig_env = test_serve.rig_env  # the engine double as .venv/bin/vllm
 
@@ -252,72 +251,6 @@ def test_the_compose_env_file_is_ignored_by_git():
 
 # --- the unit's commands, run as systemd runs them --------------------------------------------------------------
 
-SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def settings_of(unit: str) -> dict[str, list[str]]:
-    """Each setting of a unit file with its values in order (the sections' keys do not overlap here)."""
-    out: dict[str, list[str]] = {}
-    for line in unit.splitlines():
-        line = line.strip()
-        if line and not line.startswith(("#", ";", "[")):
-            key, _, value = line.partition("=")
-            out.setdefault(key, []).append(value)
-    return out
-
-
-def commands(unit: dict[str, list[str]], key: str) -> list[list[str]]:
-    """The argv of each ``Exec*=`` line: systemd's prefixes (-, @, :, +, !) dropped, words split as it does."""
-    return [shlex.split(v.lstrip("-@:+!")) for v in unit.get(key, [])]
-
-
-def unit_env(unit: dict[str, list[str]], root: Path, notify: str) -> dict[str, str]:
-    """The environment systemd gives the service: a clean one (PATH; no HOME without User=), NOTIFY_SOCKET for
-    Type=notify, then Environment=, then EnvironmentFile= (read under ``root``), which wins."""
-    env = {"PATH": SYSTEMD_PATH, "LANG": "C.UTF-8", "INVOCATION_ID": "0" * 32, "NOTIFY_SOCKET": notify}
-    for value in unit.get("Environment", []):
-        env.update(word.split("=", 1) for word in shlex.split(value))
-    for value in unit.get("EnvironmentFile", []):
-        path = root / value.lstrip("-").lstrip("/")
-        for line in path.read_text().splitlines():
-            if line.strip() and not line.lstrip().startswith(("#", ";")):
-                key, _, val = line.partition("=")
-                env[key.strip()] = " ".join(shlex.split(val))
-    return env
-
-
-class NotifySocket:
-    """What systemd listens on for a Type=notify service: an abstract datagram socket; each message is kept
-    with the sender's pid (SO_PASSCRED), as systemd checks it against NotifyAccess=."""
-
-    def __init__(self) -> None:
-        self.name = f"@vllm-rig-test-{os.getpid()}-{time.monotonic_ns()}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind("\0" + self.name[1:])
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.messages: list[tuple[float, int, str]] = []
-        self.ready = threading.Event()
-        self.on_ready: list = []  # checks run the moment READY=1 arrives, before anything else can change
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                data, anc, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
-            except OSError:
-                return
-            pid = next((struct.unpack("3i", d[:12])[0] for lvl, typ, d in anc
-                        if lvl == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS), 0)
-            text = data.decode()
-            self.messages.append((time.monotonic(), pid, text))
-            if "READY=1" in text.split("\n") and not self.ready.is_set():
-                self.on_ready = [check() for check in self.on_ready]
-                self.ready.set()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def engine_processes(pgid: int, ckpt: str) -> list[str]:
     """The engine's processes still there: by its process group, and by command line (the double's server, and
     its child named like vLLM's ``VLLM::EngineCore``)."""
@@ -329,59 +262,13 @@ def engine_processes(pgid: int, ckpt: str) -> list[str]:
     return left
 
 
-def cgroup_of(main: subprocess.Popen, pgids: set[int]) -> list:
-    """The service's cgroup, approximated: the main process, its descendants, and every process of their process
-    groups (a process that left the tree by a double fork still has its group)."""
-    procs = {}
-    try:
-        top = psutil.Process(main.pid)
-        for p in [top, *top.children(recursive=True)]:
-            procs[p.pid] = p
-            pgids.add(os.getpgid(p.pid))
-    except (psutil.NoSuchProcess, ProcessLookupError):
-        pass
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) in pgids:
-                procs.setdefault(p.pid, p)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return [p for p in procs.values() if p.pid != os.getpid()]
-
-
 def systemd_stop(main: subprocess.Popen, unit: dict[str, list[str]], env: dict, cwd: str,
                  stop_timeout: float) -> list[int]:
-    """A stop as systemd does it with KillMode=control-group: each ExecStop=, then KillSignal (SIGTERM) to every
-    process of the cgroup at once, TimeoutStopSec, then SIGKILL to what is left; returns the pids it killed."""
-    for argv in commands(unit, "ExecStop"):
-        r = subprocess.run(argv, env=env, cwd=cwd, start_new_session=True, timeout=stop_timeout * 4,
-                           capture_output=True, text=True)
+    """unitfile.stop, with the rig's ExecStop checked: exit 0 and nothing of the engine left."""
+    runs, killed = unitfile.stop(main, unit, env, cwd, stop_timeout)
+    for r in runs:
         assert r.returncode == 0 and "no process of it is left" in r.stdout, r.stdout + r.stderr
-    pgids: set[int] = set()
-    for p in cgroup_of(main, pgids):
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    end = time.monotonic() + stop_timeout
-
-    def alive() -> list:
-        out = []
-        for p in cgroup_of(main, pgids):
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.NoSuchProcess:
-                continue
-        return out
-
-    while alive() and time.monotonic() < end:
-        time.sleep(0.1)
-    killed = alive()
-    for p in killed:
-        p.kill()
-    main.wait(10)
-    return [p.pid for p in killed]
+    return killed
 
 
 @pytest.fixture
