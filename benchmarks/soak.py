@@ -261,12 +261,12 @@ def inject(kind: str, svc: Service, s, load_: Load, log: Path, ckpt: Path, tmpfs
     if kind == "diskfull":
         assert tmpfs is not None
         filler = tmpfs / "filler"
-        with open(filler, "wb") as fh:
-            try:
+        try:  # unbuffered: the write that finds the disk full raises here, not at the close
+            with open(filler, "wb", buffering=0) as fh:
                 while True:
                     fh.write(b"\0" * 65536)
-            except OSError:
-                pass
+        except OSError:
+            pass
         time.sleep(4)
         filler.unlink()
         noted = wait_for(lambda: SAID[kind] in log.read_text(errors="replace")[size:], 30)
@@ -323,7 +323,7 @@ def main() -> int:
         logdir = tmp / "log"
         logdir.mkdir()
         tmpfs = None
-        if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "soak", str(logdir)],
+        if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "soak", str(logdir)],
                                                 capture_output=True).returncode == 0:
             tmpfs = logdir
         else:
