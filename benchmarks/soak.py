@@ -18,7 +18,7 @@ random order (--seed):
   logwriter   kill -9 of the log writer           -> the group ended, exit 137, restarted
   hang        SIGSTOP of EngineCore in a step (a long request running) -> the watchdog within HANG_WINDOW,
               exit 1, restarted
-  diskfull    the log's tmpfs filled for 4 s      -> the engine serves on; the log says what it dropped
+  diskfull    the log's tmpfs filled for 12 s     -> the engine serves on; the log says what it dropped
   ckpt        the checkpoint folder moved away, then kill -9 of the server -> each start exits 2 naming it;
               put back, the next restart serves
 
@@ -71,6 +71,7 @@ SAID = {  # the rig's words for each fault, in the journal (the log for diskfull
     "ckpt": "no such folder",  # the box check's, naming CKPT
 }
 RECOVER_TIMEOUT = 300.0
+FULL_FOR = 12.0  # the disk kept full past vLLM's stats line (every 10 s): output is dropped even when no request logs
 PASSED = ("RIG_CACHE", "CACHE_ROOT")  # where the caller keeps the caches: the unit's too
 
 
@@ -267,7 +268,7 @@ def inject(kind: str, svc: Service, s, load_: Load, log: Path, ckpt: Path, tmpfs
                     fh.write(b"\0" * 65536)
         except OSError:
             pass
-        time.sleep(4)
+        time.sleep(FULL_FOR)
         filler.unlink()
         noted = wait_for(lambda: SAID[kind] in log.read_text(errors="replace")[size:], 30)
         same = (load(s) or rec).pid == rec.pid  # the engine served on: no restart
