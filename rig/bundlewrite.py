@@ -128,10 +128,11 @@ def compile_pins(s: Settings, uv: str | None, python: str, requirements: list[st
 
 def tools(s: Settings, uv: str | None, python: str, folder: Path) -> dict[tuple[str, str], tuple[str, ...]]:
     """The pins of what the wrappers install for themselves: the noxfile's script environment, the bench venv
-    (llama-benchy without its dependencies, then the ones it imports, and the rig itself, built with setuptools)."""
+    (llama-benchy without its dependencies, then the ones it imports, and the rig itself, built with setuptools),
+    and pip, which ``uv venv --seed`` puts in the serving venv (a box with no network has no uv cache to seed from)."""
     from rig.bench.tool import TOOL, TOOL_DEPS  # the bench's pins: one source with noxfile.py's bench session
 
-    locks = [compile_pins(s, uv, python, [*script_requirements(), *TOOL_DEPS, "setuptools>=69", "wheel"],
+    locks = [compile_pins(s, uv, python, [*script_requirements(), *TOOL_DEPS, "setuptools>=69", "wheel", "pip"],
                           folder / "tools.lock"),
              compile_pins(s, uv, python, [TOOL], folder / "bench-tool.lock", no_deps=True)]
     return {(n, v): h for lock in locks for n, (v, h) in lock.pins.items()}

@@ -17,7 +17,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from rig import atomic
+from rig import atomic, tarsafe
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
 from rig.gitutil import Git
@@ -178,8 +178,8 @@ def base_from_sdist(repo: Git, sdist: Path, version: str, tag: str, sha: str) ->
             if not m.name.startswith(top):
                 raise BadInput(problem(f"{sdist}: member {m.name!r}", f"a name under {top}", m.name,
                                        "the file is not vLLM's sdist: delete it and run again"))
-            members.append(m.replace(name=m.name[len(top):], deep=False))
-        tf.extractall(repo.path, members=members, filter="data")
+            members.append(tarsafe.renamed(m, name=m.name[len(top):]))
+        tarsafe.extract_all(tf, repo.path, members)
     repo.run("add", "--all", "--force", ".")
     dates = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
     repo.run("commit", "--quiet", "--no-verify", "-m",

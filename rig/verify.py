@@ -13,7 +13,7 @@ but it is never the only word:
   ratio to the tarball's own size, and by the free disk;
 * members are inspected before anything is extracted (regular files and
   folders only, clean names, no duplicates, no name that is both a file and
-  a folder), then extracted through tarfile's ``data`` filter into a
+  a folder), then extracted through tarfile's ``data`` filter (rig.tarsafe) into a
   scratch folder and re-hashed. CPython 3.11.7 and 3.13.0 predate the 2025
   fixes for tar-filter bypasses: the inspection is what makes this safe;
 * the destination is checked (no folder where a file goes, no link on the
@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from rig import tarsafe
 from rig.artifacts import MANIFEST, SUMS, TARBALLS, Refused, check_target, clean_name, read_manifest, read_sums
 from rig.errors import WorkFailed, problem
 from rig.hashing import sha256_file
@@ -259,11 +260,12 @@ def clean_scratch(dest: Path) -> list[Path]:
 
 
 def _extract_hashed(tar: Path, tmp: Path, sums: dict[str, str]) -> None:
-    """Extract into ``tmp`` member by member through tarfile's ``data`` filter, hashing as each file is written."""
+    """Extract into ``tmp`` member by member through tarfile's ``data`` filter (rig.tarsafe), hashing as each
+    file is written."""
     try:
         with open_tar(tar) as tf:
             for member in tf:
-                m = tarfile.data_filter(member, str(tmp))  # raises on anything the filter refuses
+                m = tarsafe.data_filter(member, tmp)  # raises on anything the filter refuses
                 path = tmp / m.name
                 if m.isdir():
                     path.mkdir(parents=True, exist_ok=True)
@@ -287,7 +289,7 @@ def _extract_hashed(tar: Path, tmp: Path, sums: dict[str, str]) -> None:
                                      ) from None
                 if h.hexdigest() != sums[m.name]:
                     raise _member(tar, m.name, f"sha256 {sums[m.name]} ({SUMS})", h.hexdigest())
-    except tarfile.FilterError as exc:
+    except tarsafe.Unsafe as exc:
         raise Refused(problem(tar.name, "members tarfile's data filter accepts", f"one it refuses ({exc})",
                               REPACK)) from None
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:

@@ -78,3 +78,22 @@ def test_a_pin_whose_python_excludes_the_hosts_is_named(tmp_path):
     err = runtime._install_error(tail, lock)
     assert isinstance(err, BadInput)
     assert "networkx==3.7 of rig-runtime-host.lock" in str(err) and "another Python than 3.11.7" in str(err)
+
+
+def test_ldconfig_is_found_off_a_users_path(monkeypatch):
+    """A user's PATH on Debian has no /sbin, where ldconfig lives: the loader cache is still read."""
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")
+    assert shutil.which("ldconfig") is None or shutil.which("ldconfig").startswith("/usr/bin")
+    found = abi.elf_tool("ldconfig")
+    assert found.startswith(abi.SBIN) or found.startswith("/usr/bin"), found
+    cache = abi.loader_cache()
+    assert cache.get("libc.so.6") and cache["libc.so.6"].exists(), list(cache)[:5]
+
+
+def test_a_missing_elf_tool_names_its_package(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(abi, "SBIN", (str(tmp_path / "sbin"),))
+    with pytest.raises(BadInput) as e:
+        abi.elf_tool("readelf")
+    msg = str(e.value)
+    assert "readelf" in msg and "not found" in msg and "apt-get install binutils" in msg, msg

@@ -10,7 +10,9 @@ driver's entry points come from the driver, or from the toolchain step's link st
 from __future__ import annotations
 
 import functools
+import os
 import re
+import shutil
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +22,28 @@ from rig.errors import BadInput, problem
 #: Symbols the interpreter defines for every extension module at load time.
 INTERPRETER = re.compile(r"^_?Py")
 DEFINED = set("TDBRVWiuGSCA")
+#: Where the ELF tools come from, and the folders a user's PATH may lack (Debian keeps ldconfig in /sbin).
+PACKAGES = {"nm": "binutils", "readelf": "binutils", "ldconfig": "libc-bin"}
+SBIN = ("/usr/sbin", "/sbin")
+
+
+def elf_tool(name: str) -> str:
+    """The path of ``nm``, ``readelf`` or ``ldconfig``: PATH, then the sbin folders."""
+    found = shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
+    if not found:
+        raise BadInput(problem(f"{name} (reads the kernels' ELF files, no driver needed)", "on PATH or in "
+                               f"{' or '.join(SBIN)}", "not found", f"install {PACKAGES[name]} (Debian/Ubuntu: "
+                               f"apt-get install {PACKAGES[name]}), then run again"))
+    return found
+
+
+def loader_cache() -> dict[str, Path]:
+    """Library file name -> path, from the system loader's cache (``ldconfig -p``)."""
+    out = subprocess.run([elf_tool("ldconfig"), "-p"], capture_output=True, text=True).stdout
+    index: dict[str, Path] = {}
+    for name, path in re.findall(r"^\s+(\S+) \([^)]*\) => (\S+)$", out, re.M):
+        index.setdefault(name, Path(path))
+    return index
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -39,7 +63,7 @@ def check_version(torch: str, oldest: str | None, python: str) -> None:
 @functools.cache
 def symbols(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(defined, undefined) dynamic symbols of an ELF file, version suffixes dropped; weak ones count as neither."""
-    out = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True).stdout
+    out = subprocess.run([elf_tool("nm"), "-D", str(path)], capture_output=True, text=True).stdout
     defined, undefined = set(), set()
     for line in out.splitlines():
         parts = line.split()
@@ -55,16 +79,13 @@ def symbols(path: Path) -> tuple[frozenset[str], frozenset[str]]:
 
 @functools.cache
 def needed(path: Path) -> tuple[str, ...]:
-    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    out = subprocess.run([elf_tool("readelf"), "-d", str(path)], capture_output=True, text=True).stdout
     return tuple(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out))
 
 
 def library_index(dirs: Iterable[Path]) -> dict[str, Path]:
     """Library file name -> path, from the system's loader cache and then ``dirs`` (searched deeply)."""
-    index: dict[str, Path] = {}
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    for name, path in re.findall(r"^\s+(\S+) \([^)]*\) => (\S+)$", out, re.M):
-        index.setdefault(name, Path(path))
+    index = loader_cache()
     for d in dirs:
         for p in sorted(Path(d).rglob("*.so*")) if Path(d).is_dir() else ():
             if p.is_file():

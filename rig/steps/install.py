@@ -30,7 +30,7 @@ DRIVER = "libcuda.so.1"
 
 def _dynamic(path: Path) -> tuple[list[str], list[Path]]:
     """An ELF file's NEEDED libraries and its RUNPATH/RPATH folders, from one ``readelf -d``."""
-    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    out = subprocess.run([abi.elf_tool("readelf"), "-d", str(path)], capture_output=True, text=True).stdout
     needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
     dirs = []
     for m in re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", out):
@@ -38,16 +38,13 @@ def _dynamic(path: Path) -> tuple[list[str], list[Path]]:
     return needed, dirs
 
 
-def _system_libs() -> set[str]:
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    return set(re.findall(r"^\s+(\S+) \(", out, re.M))
 
 
 def link_check(s: Settings, rec: products.Record) -> list[str]:
     """Problems of the link layer; checks each product ELF's NEEDED list (no driver needed)."""
     venv_libs = {p.name for d in (venvs.site_packages(s.venv_dir), *venvs.host_dirs(s.venv_dir))
                  for p in d.rglob("*.so*")}
-    system = _system_libs()
+    system = set(abi.loader_cache())
     problems = []
     drivers = []
     checked = 0

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from rig import atomic, record, venvs
+from rig import atomic, bundle, record, venvs
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
@@ -56,6 +56,19 @@ def pyenv_pythons(root: str | None) -> list[Path]:
         if re.fullmatch(r"3\.13(\.\d+)?", d.name) and exe.exists():
             found.append(exe)
     return sorted(found, key=lambda p: [int(x) for x in p.parent.parent.name.split(".")], reverse=True)
+
+
+def _seed_from_bundle(s: Settings) -> list[str]:
+    """uv's switches to seed pip from the offline bundle's wheels: a box with no network has no uv cache to take
+    it from. A bundle written before it carried pip is named, with the fix, before the venv is touched."""
+    w = bundle.wheels(s)
+    if w is None:
+        return []
+    if not list(w.glob("pip-*.whl")):
+        raise BadInput(problem(f"pip's wheel in {w} (OFFLINE={s.offline})", "one (uv seeds the venv with pip)",
+                               "none: the bundle was written before it carried pip",
+                               "write the bundle again: scripts/nox.sh -s pack -- --offline DIR"))
+    return bundle.uv_args(s)
 
 
 def _inside(path: str, folder: Path) -> bool:
@@ -203,6 +216,7 @@ class VenvStep(Step):
         else:
             python, how = find_python(s, ctx.uv)
             say(f"CPython {WANT_TEXT}: {python} (found by {how})")
+        seed = _seed_from_bundle(s) if ctx.uv else []
         old = None
         if s.venv_dir.exists() or s.venv_dir.is_symlink():
             old = s.venv_dir.with_name(f"{s.venv_dir.name}.old-{int(time.time())}")
@@ -211,7 +225,7 @@ class VenvStep(Step):
         try:
             if uv:
                 say(f"creating {s.venv_dir} with {uv}")
-                cmd = [uv, "venv", "--quiet", "--seed", "--python", python, str(s.venv_dir)]
+                cmd = [uv, "venv", "--quiet", "--seed", *seed, "--python", python, str(s.venv_dir)]
             else:
                 say(f"creating {s.venv_dir} with {python} -m venv ({'UV=0' if s.uv == '0' else 'no uv on PATH'})")
                 cmd = [python, "-m", "venv", str(s.venv_dir)]
