@@ -19,6 +19,7 @@ import pytest
 from conftest import build_env, checkout_copy
 
 from rig import bundle, venvs
+from rig.hashing import sha256_file as sha256
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +81,17 @@ def offline_build(offline_bundle, host_python, tmp_path_factory):
     out, p = offline_bundle
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     dest = checkout_copy(tmp_path_factory.mktemp("offline") / "rig")
-    env = build_env(TORCH="host", PYTHON=str(host_python), OFFLINE=str(out), PATH=no_uv_path())
+    env = bare_offline_env(tmp_path_factory.mktemp("home"), TORCH="host", PYTHON=str(host_python), OFFLINE=str(out))
     r = subprocess.run(["unshare", "-n", str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True,
                        timeout=3600)
     return dest, r, env
+
+
+def bare_offline_env(home: Path, **extra: str) -> dict[str, str]:
+    """A GPU box's bare user: a new HOME (no uv or pip cache to fall back on), the system's PATH without uv (no
+    /sbin: Debian's ldconfig is not on a user's PATH), nothing of this machine's caches or certificates."""
+    return {"HOME": str(home), "LANG": "C.UTF-8", **extra,
+            "PATH": os.pathsep.join(d for d in ("/usr/local/bin", "/usr/bin", "/bin") if not (Path(d) / "uv").exists())}
 
 
 def manifest_torch(dest: Path) -> str:
@@ -132,6 +140,7 @@ def test_the_bundle_is_in_parts_with_every_sum(offline_bundle):
     family = r"wheels/((torch|torchvision|torchaudio|triton)-|nvidia_(?!ml_py))"
     assert names and not [n for n in names if re.match(family, n)]
     assert any(re.match(r"wheels/nox-", n) for n in names) and bundle.UV in data["files"]
+    assert any(re.match(r"wheels/pip-", n) for n in names)  # uv seeds the venv with it: no cache to take it from
 
 
 def test_the_offline_build_needs_no_network(offline_build, host_build):
@@ -199,3 +208,29 @@ def test_a_torch_older_than_the_kernels_tested_one_is_refused(host_build):
     assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
     assert (f"torch of PYTHON={env['PYTHON']} (TORCH=host): expected >= 2.12.0" in bad.stderr
             and f"found host {HOST_TORCH}+cu130" in bad.stderr), bad.stderr[-2000:]
+
+
+def test_a_bundle_without_pip_is_named_before_the_venv_is_touched(offline_bundle, offline_build, tmp_path):
+    """A bundle written before it carried pip: the venv step says so, with the fix, and the venv stays."""
+    out, _ = offline_bundle
+    dest, _, env = offline_build
+    old = _copy(out, tmp_path / "old")
+    wheel = next((old / "wheels").glob("pip-*.whl"))
+    name = str(wheel.relative_to(old))
+    wheel.unlink()
+    info = json.loads((old / bundle.INFO).read_text())
+    del info["files"][name]
+    (old / bundle.INFO).unlink()
+    (old / bundle.INFO).write_text(json.dumps(info, indent=1))
+    sums = [ln for ln in (old / bundle.SUMS).read_text().splitlines() if not ln.endswith(f"  {name}")]
+    sums = [ln if not ln.endswith(f"  {bundle.INFO}") else f"{sha256(old / bundle.INFO)}  {bundle.INFO}" for ln in sums]
+    (old / bundle.SUMS).unlink()
+    (old / bundle.SUMS).write_text("\n".join(sums) + "\n")
+    python = dest / ".venv/bin/python"
+    before = os.stat(python.parent).st_ino
+    r = subprocess.run(["unshare", "-n", str(dest / "build.sh"), "--only", "venv", "--force"], cwd=dest,
+                       env={**env, "OFFLINE": str(old)}, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
+    assert f"pip's wheel in {dest / '.rig/offline/wheels'} (OFFLINE={old})" in r.stderr and "the bundle was written before it carried pip" \
+        in r.stderr and "scripts/nox.sh -s pack -- --offline DIR" in r.stderr, r.stderr[-2000:]
+    assert os.stat(python.parent).st_ino == before and not list(dest.glob(".venv.old-*"))
