@@ -97,3 +97,14 @@ def test_a_missing_elf_tool_names_its_package(monkeypatch, tmp_path):
         abi.elf_tool("readelf")
     msg = str(e.value)
     assert "readelf" in msg and "not found" in msg and "apt-get install binutils" in msg, msg
+
+
+def test_a_module_left_out_is_left_out_under_every_minors_file():
+    """DeepGEMM ships _C for 3.10 to 3.14: the host-torch check names the 3.12 file, the import check skips the
+    module (the 3.13 file must not bring it back)."""
+    from rig.steps.install import kernel_modules
+
+    files = [f"vllm/third_party/deep_gemm/_C.cpython-3{m}-x86_64-linux-gnu.so" for m in range(10, 15)]
+    files += ["vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "top.so"]
+    assert kernel_modules(files, [files[2]]) == ["vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C"]
+    assert "vllm.third_party.deep_gemm._C" in kernel_modules(files)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 from rig import products, record, venvs
@@ -138,14 +139,22 @@ def host_torch_check(s: Settings, rec: products.Record, sr: Series, stub: str) -
     return line, {str(m.relative_to(s.vllm_dir)) for m in full}
 
 
+def kernel_modules(files: Iterable[str], leave_out: Iterable[str] = ()) -> list[str]:
+    """The importable names of the kernel files, less those of ``leave_out``: a module left out is left out under
+    every file that names it (``_C.cpython-312-...so`` and ``_C.cpython-313-...so`` are one ``_C``)."""
+    def name(rel: str) -> str:
+        return rel[:-3].split(".")[0].replace("/", ".")
+
+    return sorted({name(r) for r in files if r.endswith(".so") and "/" in r} - {name(r) for r in leave_out})
+
+
 def import_check(s: Settings, rec: products.Record, leave_out: frozenset[str] = frozenset()) -> str:
     """Full imports with a driver (or for the CPU build), else the link layer; the line that says which.
     ``leave_out``: kernel files the host-torch check found unloadable under this torch (and said so)."""
     if s.device == "cpu":
         return cpu_import_check(s)
     if driver_loadable():
-        mods = sorted({rel[:-3].split(".")[0].replace("/", ".") for rel in rec.files
-                       if rel.endswith(".so") and "/" in rel and rel not in leave_out})
+        mods = kernel_modules(rec.files, leave_out)
         r = subprocess.run([str(venvs.python(s.venv_dir)), "-c", DRIVER_CHECK, *mods], capture_output=True,
                            text=True, cwd="/")
         failed = [ln.split(" ", 2) for ln in r.stdout.splitlines() if ln.startswith("FAILED ")]
