@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.11"
 # dependencies = [
-#   "nox>=2025.11.12", "tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12", "packaging>=24", "zstandard>=0.22",
+#   "nox>=2025.11.12", "tomli-w>=1.0", "psutil>=5.9", "nvidia-ml-py>=12", "packaging>=24",
 # ]
 # ///
 """The rig's jobs, one session each; every session is a few lines over rig/."""

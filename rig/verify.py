@@ -71,7 +71,7 @@ def _stream(path: Path) -> Iterator[IO[bytes]]:
             yield fh
         return
     zstd = shutil.which("zstd")
-    if not zstd:  # a GPU box may have no zstd program: the noxfile's environment carries the zstandard module
+    if not zstd:  # a GPU box may have no zstd program: the zstandard module, where it is importable
         with _module_stream(path) as fh:
             yield fh
         return
@@ -107,7 +107,7 @@ def _stream(path: Path) -> Iterator[IO[bytes]]:
 def _module_stream(path: Path) -> Iterator[IO[bytes]]:
     """The tarball's bytes through the ``zstandard`` module, where no zstd program is on PATH."""
     try:
-        import zstandard
+        import zstandard  # optional: only where no zstd program is installed
     except ImportError:
         raise Refused(problem(path.name, "the zstd program (or Python's zstandard module) to read it", "neither",
                               "apt-get install -y zstd")) from None
