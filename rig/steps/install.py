@@ -39,8 +39,6 @@ def _dynamic(path: Path) -> tuple[list[str], list[Path]]:
     return needed, dirs
 
 
-
-
 def link_check(s: Settings, rec: products.Record) -> list[str]:
     """Problems of the link layer; checks each product ELF's NEEDED list (no driver needed)."""
     venv_libs = {p.name for d in (venvs.site_packages(s.venv_dir), *venvs.host_dirs(s.venv_dir))
