@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime as dt
+import gzip
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from pathlib import Path
 from packaging import tags as wheel_tags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
-from rig import REPO_ROOT, artifacts, atomic, bundle, record, upstream, venvs, worktree
+from rig import REPO_ROOT, artifacts, atomic, bundle, record, upstream, venvs, verify, worktree
 from rig.config import Settings
 from rig.console import say
 from rig.errors import BadInput, WorkFailed, problem
@@ -164,6 +165,28 @@ def _place(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
+def kernels(src: Path, manifest: dict, dest: Path) -> None:
+    """The kernels pack into ``dest``, its tarball as gzip: a box with no network may have neither the zstd
+    program nor Python's zstandard module (whose wheel is per CPython), and every Python reads gzip."""
+    dest.mkdir(parents=True, exist_ok=True)
+    _place(src / artifacts.SUMS, dest / artifacts.SUMS)
+    tar = src / manifest["tarball"]
+    if manifest["compression"] == "gzip":
+        for f in (artifacts.MANIFEST, tar.name):
+            _place(src / f, dest / f)
+        return
+    if (found := sha256_file(tar)) != manifest["tarball_sha256"]:
+        raise BadInput(problem(str(tar), f"sha256 {manifest['tarball_sha256']} (its manifest's)", found,
+                               "run ./build.sh (its pack step packs again)"))
+    gz = dest / artifacts.TARBALLS[1]
+    say(f"bundle: the kernels recompressed as {gz.name} ({manifest['bytes'] / 1e6:.0f} MB to read)")
+    with verify.decompressed(tar) as raw, open(gz, "wb") as fh, \
+            gzip.GzipFile(filename="", mode="wb", compresslevel=6, fileobj=fh, mtime=0) as out:
+        shutil.copyfileobj(raw, out, 1 << 20)
+    artifacts.write_manifest(dest / artifacts.MANIFEST, {**manifest, "tarball": gz.name, "compression": "gzip",
+                                                         "tarball_sha256": sha256_file(gz)})
+
+
 def serves(manifest_python: str, python: str) -> bool:
     """Whether kernels whose manifest says ``manifest_python`` load under CPython ``python``."""
     return manifest_python == "abi3" or python in manifest_python.split()
@@ -200,8 +223,7 @@ def write(s: Settings, dest: Path, part_size: int | None, python: str | None, uv
             + (" (the torch family left to the host)" if s.torch == "host" else ""))
         pinned_uv(s, work / bundle.UV)
         Git(s.vllm_dir).run("bundle", "create", "--quiet", str(work / bundle.TREE), "HEAD", f"refs/tags/{tree.tag}")
-        for f in (artifacts.MANIFEST, artifacts.SUMS, manifest["tarball"]):
-            _place(s.artifacts_dir / f, work / bundle.KERNELS / f)
+        kernels(s.artifacts_dir, manifest, work / bundle.KERNELS)
         ranks = {t: i for i, t in enumerate(tags_for(python, glibc()))}
         wanted = {**{(n, v): h for n, (v, h) in pins.items()}, **tools(s, uv, python, work)}  # both where they differ
         with cf.ThreadPoolExecutor(8) as ex:

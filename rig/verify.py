@@ -63,7 +63,7 @@ AGAIN = "free space there, then verify again; nothing was installed"
 
 
 @contextmanager
-def _stream(path: Path) -> Iterator[IO[bytes]]:
+def decompressed(path: Path) -> Iterator[IO[bytes]]:
     """The tarball's decompressed bytes. When reading fails, the decompressor's own error is the cause reported,
     never the SIGPIPE it gets when the reader stops early."""
     if not path.name.endswith(".zst"):
@@ -122,7 +122,7 @@ def _module_stream(path: Path) -> Iterator[IO[bytes]]:
 @contextmanager
 def open_tar(path: Path) -> Iterator[tarfile.TarFile]:
     """The tarball as a stream of members; data after the tar's end beyond its padding is refused unread."""
-    with _stream(path) as raw:
+    with decompressed(path) as raw:
         with tarfile.open(fileobj=raw, mode="r|", bufsize=CHUNK) as tf:
             yield tf
         after = 0

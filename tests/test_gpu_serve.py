@@ -102,6 +102,16 @@ def engine_state() -> dict:
     return tomllib.loads((ROOT / ".rig" / "engine.toml").read_text())
 
 
+def api_server(rec: dict) -> psutil.Process:
+    """The engine group's ``vllm serve`` process."""
+    return next(p for p in psutil.process_iter(["pid", "cmdline"])
+                if p.pid in engine_pids(rec["pgid"]) and "serve" in (p.info["cmdline"] or [])[:3])
+
+
+def server_argv(rec: dict) -> list[str]:
+    return api_server(rec).info["cmdline"]
+
+
 def wait_card_free(limit: float = 60) -> dict[int, int]:
     deadline = time.monotonic() + limit
     while (held := used_mib()) and time.monotonic() < deadline:
@@ -142,7 +152,9 @@ def test_start_serves_the_demo_on_the_gpu_with_fp8_kv_and_cuda_graphs(served):
     assert "profile: demo-gpu" in out and "the cuda build" in out
     assert re.search(r"box: \d+ checks passed", out), out[-3000:]
     assert "topology: TP1 x PP1 on cards 0" in out
-    assert "--kv-cache-dtype fp8" in out and '"max_cudagraph_capture_size": 16' in out
+    argv = server_argv(engine_state())  # what the engine runs with, not what the rig says it asked for
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8", argv
+    assert json.loads(argv[argv.index("--compilation-config") + 1]) == {"max_cudagraph_capture_size": 16}, argv
     assert "GPU KV cache size:" in out and "a one-token generation answered" in out
     log = log_of(env)
     assert re.search(r"SCALES: k/v scales of 2 layers loaded from \S+qsa_kv_scales\.json", log), log[-3000:]
@@ -210,8 +222,7 @@ def test_a_killed_api_server_keeps_the_card_until_stop(served, base):
     print(f"\ngreedy tokens, scales 1.0: {before}\ngreedy tokens, scales 0.0005 (saturating): {after}")
     assert after != before
     rec = engine_state()
-    server = next(p for p in psutil.process_iter(["pid", "cmdline"])
-                  if p.pid in engine_pids(rec["pgid"]) and "serve" in (p.info["cmdline"] or [])[:3])
+    server = api_server(rec)
     server.send_signal(signal.SIGKILL)
     server.wait(30)
     time.sleep(3)
