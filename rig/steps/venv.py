@@ -174,7 +174,7 @@ def caches(s: Settings, uv: str | None) -> dict[str, str]:
 
 class VenvStep(Step):
     name = "venv"
-    summary = "the serving venv with CPython 3.13 (uv when present; UV=0 / UV=path)"
+    summary = "the serving venv: the lock's CPython, or the host's with TORCH=host (uv when present; UV=0 / UV=path)"
     facts = ("venv", "python")
 
     def check(self, ctx: Context) -> Status:
