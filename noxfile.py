@@ -82,8 +82,20 @@ def status(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def update(session: nox.Session) -> None:
+    """Build beside the current build, switch, restart; switch back when the new engine is not healthy."""
+    _rig(session, "update")
+
+
+@nox.session(**WORK)
+def rollback(session: nox.Session) -> None:
+    """Switch back to the previous build (and restart a running engine on it)."""
+    _rig(session, "rollback")
+
+
+@nox.session(**WORK)
 def service(session: nox.Session) -> None:
-    """The systemd service: install, start, stop, status, update, logs, uninstall."""
+    """The systemd service: install, start, stop, status, update, rollback, logs, uninstall."""
     _rig(session, "service")
 
 

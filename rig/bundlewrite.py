@@ -194,7 +194,7 @@ def serves(manifest_python: str, python: str) -> bool:
 
 def write(s: Settings, dest: Path, part_size: int | None, python: str | None, uv: str | None) -> Path:
     """Write the bundle of this build into ``dest``: a new folder beside it, renamed over it when complete."""
-    rec = record.load(s.state_dir, s.device)
+    rec = record.load(s.record_dir, s.device)
     kt = target.of_build(s, rec)
     python = python or kt.python
     if not re.fullmatch(r"3\.\d+", python):

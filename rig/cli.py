@@ -190,6 +190,28 @@ def _start(a: Args) -> int:
                              box_check=not a.skip_box_check, clear_cache=a.clear_cache, demo_model=a.demo)
 
 
+def _update_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--demo", action="store_true", help="the demo's build and engine, as ./start.sh --demo has them")
+    p.add_argument("--force", action="store_true", help="build again beside the current build even when it is "
+                   "this checkout's series and lock already")
+
+
+def _update_env(a: Args) -> dict[str, str]:
+    return _use("start").demo_env(os.environ) if a.demo else dict(os.environ)
+
+
+def _update(a: Args) -> int:
+    env = _update_env(a)
+    up = _use("update")
+    return up.update(env, up.direct(env), force=a.force)
+
+
+def _rollback(a: Args) -> int:
+    env = _update_env(a)
+    up = _use("update")
+    return up.rollback(env, up.direct(env))
+
+
 def _doctor(a: Args) -> int:
     s = config.settings()
     for line in _use("control").doctor(s, _use("profiles").load(s.profile), config.serve_settings()):
@@ -209,7 +231,7 @@ def _logs(a: Args) -> int:
 
 
 def _service_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("verb", choices=("install", "start", "stop", "status", "update", "logs", "uninstall"))
+    p.add_argument("verb", choices=_use("service").VERBS)
     p.add_argument("--root", help="write under this prefix instead of / (default: DESTDIR, else /)")
     p.add_argument("-n", "--lines", type=int, default=200, help="logs: start from the last N lines")
     p.add_argument("--node-rank", type=int, metavar="N", help="install: this node's rank in a multi-node engine "
@@ -271,6 +293,12 @@ COMMANDS: dict[str, Command] = {
                       "the hang watchdog (HANG_WINDOW) and the KV cache line. Exit 0 healthy, 1 running but not "
                       "healthy or hung, 3 not running.",
                       lambda a: _use("control").status(config.settings(), config.serve_settings())),
+    "update": Command("nox -s update --", "Build this checkout's series beside the current build, switch to it "
+                      "and restart a running engine on it; when that engine is not healthy, switch back and start "
+                      "the old one (exit 1). The current and the previous build are kept.", _update,
+                      _update_arguments),
+    "rollback": Command("nox -s rollback --", "Switch back to the previous build, restarting a running engine on "
+                        "it (and back again when it is not healthy).", _rollback, _update_arguments),
     "doctor": Command("nox -s doctor --", "Report the box: every check, pass/fail/warn, and the facts of every card.",
                       _doctor),
     "logs": Command("vllm-logs.sh", "vLLM's stats lines, one coloured line per update.", _logs, _logs_arguments),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rig import REPO_ROOT
+from rig import REPO_ROOT, slots
 from rig.errors import BadInput, problem
 from rig.varparse import (
     Var,
@@ -282,11 +282,18 @@ class Settings:
     container: str
     no_color: str  # any value: ./vllm-logs.sh writes no colour codes
     destdir: str  # where the service's files go: "/" on a real install
+    slot_dir: Path | None = None  # the update's slot the paths above are in (rig/slots.py); None: the checkout's
+
+    @property
+    def record_dir(self) -> Path:
+        """Where this build's record lives: its slot, or ``RIG_STATE`` for the checkout's own build."""
+        return self.slot_dir or self.state_dir
 
 
 def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Settings:
-    """Read and check the build variables from ``env`` (default: the process environment)."""
-    return _read(Settings, "build", env, root)
+    """Read and check the build variables from ``env`` (default: the process environment), with the current
+    build's paths where an update switched to another (rig/slots.py)."""
+    return slots.applied(_read(Settings, "build", env, root), os.environ if env is None else env)
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,13 @@ from rig.kernels import pip, route, target
 def show(s: config.Settings) -> dict[str, str]:
     """The target as the ``target`` command prints it: its facts, and ``expect``, where this tree's kernels are
     listed (empty when none is known)."""
-    kt = target.of_build(s, record.load(s.state_dir, s.device))
+    kt = target.of_build(s, record.load(s.record_dir, s.device))
     return {**kt.facts(), "expect": kt.expected.source if kt.expected else ""}
 
 
 def verify_tarball(s: config.Settings, artifacts_dir: Path) -> int:
     """Check the tarball of ``artifacts_dir`` against this tree's target and install it into the tree."""
-    kt = target.of_build(s, record.load(s.state_dir, s.device))
+    kt = target.of_build(s, record.load(s.record_dir, s.device))
     n, against = verify.verify(artifacts_dir, kt.vllm_dir, kt.checks(), kt.expected, say=say)
     plain(f"verified and installed {n} files into {kt.vllm_dir}; the file set checked against {against}")
     return n
@@ -48,7 +48,7 @@ def adopt(s: config.Settings, artifacts_dir: Path) -> int:
     """Record the verified kernels as the ops step's products and install vllm without compiling."""
     manifest = artifacts.read_manifest(artifacts_dir / artifacts.MANIFEST)
     listed = artifacts.read_sums(artifacts_dir / artifacts.SUMS)
-    rec = record.load(s.state_dir, s.device)
+    rec = record.load(s.record_dir, s.device)
     # The facts the ops step itself compares, so that it finds these kernels current.
     facts, way, why = route.facts(s, rec, series.load(s.patches_dir))
     if manifest["route"] != way:

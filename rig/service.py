@@ -1,4 +1,4 @@
-"""The systemd service: install, start, stop, status, update, logs, uninstall.
+"""The systemd service: install, start, stop, status, update, rollback, logs, uninstall.
 
 ``install`` writes three files under a root prefix (``/`` by default; ``--root DIR`` or
 ``DESTDIR`` for a staging tree or the tests): the unit (``systemd/vllm.service`` with the repo's
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tomli_w
 
-from rig import REPO_ROOT, atomic, config, profiles
+from rig import REPO_ROOT, atomic, config, profiles, update
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.hashing import sha256_file
@@ -183,7 +183,7 @@ def uninstall(t: Target) -> int:
     return 0
 
 
-VERBS = ("install", "start", "stop", "status", "update", "logs", "uninstall")
+VERBS = ("install", "start", "stop", "status", "update", "rollback", "logs", "uninstall")
 
 
 def run(s: config.Settings, verb: str, root: str | None, lines: int, node_rank: int | None = None) -> int:
@@ -200,15 +200,11 @@ def run(s: config.Settings, verb: str, root: str | None, lines: int, node_rank: 
             raise BadInput(problem("the engine log", f"a file at {log}", "no such file",
                                    "start the service first, or set LOG to where it writes"))
         os.execvp("tail", ["tail", "-n", str(lines), "-F", str(log)])
-    if verb == "update":
-        _need_root(t, "update")
-        _require_systemd(t, "service update")  # before a build that could take an hour
-        r = subprocess.run([str(REPO_ROOT / "build.sh")])
-        if r.returncode != 0:
-            raise WorkFailed(problem("./build.sh for the update", "exit 0", f"exit {r.returncode} (its output is "
-                                     "above)", "fix what it names and update again; the service was left as it "
-                                     "runs"))
-        return _systemctl(t, "restart", "vllm.service")
+    if verb in ("update", "rollback"):
+        _need_root(t, verb)
+        _require_systemd(t, f"service {verb}")  # before a build that could take an hour
+        engine = update.systemd("vllm.service")
+        return update.update(os.environ, engine) if verb == "update" else update.rollback(os.environ, engine)
     if verb == "status":
         return _systemctl(t, "status", "--no-pager", "vllm.service", check=False)
     _need_root(t, verb)

@@ -29,7 +29,7 @@ def run(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool,
         clear_cache: bool, demo_model: bool = False) -> int:
     """``./start.sh``; returns the exit status."""
     if demo_model:
-        env = _demo_env(env)
+        env = demo_env(env)
     s, v, p = serve.inputs(env)
     say(f"profile: {p.name} ({p.path}); the {s.device} build")
     if foreground and env.get(sdnotify.VAR):  # under the unit: the limits it asks for, as this process got them
@@ -158,7 +158,7 @@ def _build_if_needed(s: Settings, dry_run: bool) -> None:
         pipeline.run(steps(), s, opts)
 
 
-def _demo_env(env: Mapping[str, str]) -> dict[str, str]:
+def demo_env(env: Mapping[str, str]) -> dict[str, str]:
     """``--demo``: the demo model on the CUDA build (``demo-gpu``: FP8 KV, CUDA graphs) when that build is current on
     a box with a driver, else on the CPU's (``demo``)."""
     env = {**env, "PROFILE": "demo"}

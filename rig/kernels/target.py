@@ -65,9 +65,9 @@ def _missing(item: str) -> BadInput:
 def of_build(s: Settings, rec: BuildRecord) -> KernelTarget:
     """The target of this tree (the build record) and venv, for ``ARCH``."""
     if rec.tree is None or not rec.tree.ops_obj:
-        raise _missing(f"{path(s.state_dir, s.device)}: the tree step's ops_obj")
+        raise _missing(f"{path(s.record_dir, s.device)}: the tree step's ops_obj")
     if rec.toolchain is None or not rec.toolchain.torch_cuda:
-        raise _missing(f"{path(s.state_dir, s.device)}: the toolchain step's torch_cuda")
+        raise _missing(f"{path(s.record_dir, s.device)}: the toolchain step's torch_cuda")
     minor = venvs.minor(s.venv_dir)
     if minor is None:
         raise BadInput(problem(f"the venv {s.venv_dir}", "a venv with pyvenv.cfg", "none", f"run {FIRST} first"))

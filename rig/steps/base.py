@@ -85,4 +85,4 @@ class Step:
 
 def context(s: Settings, options: Options | None = None) -> Context:
     """The context of one run: the build record read once."""
-    return Context(s, options or Options(), record.load(s.state_dir, s.device))
+    return Context(s, options or Options(), record.load(s.record_dir, s.device))

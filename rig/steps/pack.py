@@ -75,7 +75,7 @@ def check_artifacts(s: Settings, src: Path | None, dest: Path | None) -> int:
 
     Under the build lock, since a build may be rewriting artifacts/ or the tree's kernels; the scratch destination
     is the rig's own, so a verify that is killed leaves nothing the next one does not remove."""
-    kt = target.of_build(s, record.load(s.state_dir, s.device))
+    kt = target.of_build(s, record.load(s.record_dir, s.device))
     src = src or s.artifacts_dir
     with BuildLock(s, "verify"):
         leftovers.clean(s, say)

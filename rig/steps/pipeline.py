@@ -82,7 +82,7 @@ def first_stale(steps: Sequence[Step], s: Settings, upto: str = "install") -> tu
     """(step, reason) of the first step up to ``upto`` whose output is not current, or None: what start asks."""
     ctx = context(s)
     if ctx.record.tools is None:
-        return "tools", f"no build record at {record.path(s.state_dir, s.device)} (a first run)"
+        return "tools", f"no build record at {record.path(s.record_dir, s.device)} (a first run)"
     for st in steps:
         status = st.check(ctx)
         if not status.current:
@@ -96,4 +96,4 @@ def first_stale(steps: Sequence[Step], s: Settings, upto: str = "install") -> tu
 def _keep(ctx: Context, name: str, outputs: object) -> None:
     """A step's outputs into the record, written at once when they changed."""
     if outputs is not None and ctx.record.put(name, outputs):
-        record.save(ctx.settings.state_dir, ctx.record, ctx.settings.device)
+        record.save(ctx.settings.record_dir, ctx.record, ctx.settings.device)

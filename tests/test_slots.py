@@ -1,0 +1,93 @@
+"""Which build is current (rig/slots.py): the pointer file every command reads its build's paths through."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import run_rig
+
+from rig import config, record, slots
+from rig.errors import BadInput
+
+
+def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {"RIG_STATE": str(tmp_path / "state"), "DEVICE": "cpu", **extra}
+
+
+def test_without_a_pointer_the_variables_paths_hold(tmp_path):
+    s = config.settings(env_for(tmp_path))
+    assert s.vllm_dir.name == "vllm-cpu" and s.slot_dir is None and s.record_dir == tmp_path / "state"
+
+
+def test_a_switch_moves_every_path_and_the_record_and_names_the_previous_build(tmp_path):
+    s = config.settings(env_for(tmp_path))
+    own = slots.own(s.vllm_dir, s.venv_dir, s.artifacts_dir, s.state_dir)
+    new = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
+    assert new.record_dir.is_dir() and new.record_dir.parent == (tmp_path / "state" / slots.FOLDER).resolve()
+    slots.write(s.state_dir, "cpu", new, own)
+    t = config.settings(env_for(tmp_path))
+    assert (t.vllm_dir, t.venv_dir, t.artifacts_dir) == (new.vllm_dir, new.venv_dir, new.artifacts_dir)
+    assert t.record_dir == new.record_dir and record.path(t.record_dir, "cpu").parent == new.record_dir
+    assert slots.read(s.state_dir, "cpu") == (new, own)
+    assert config.settings(env_for(tmp_path, DEVICE="cuda")).slot_dir is None  # one pointer per device
+    slots.write(s.state_dir, "cpu", own, new)  # back: the checkout's own paths, its record in RIG_STATE
+    back = config.settings(env_for(tmp_path))
+    assert back.vllm_dir == s.vllm_dir and back.record_dir == s.state_dir
+
+
+def test_paths_the_user_names_win_over_the_pointer(tmp_path):
+    s = config.settings(env_for(tmp_path))
+    new = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
+    slots.write(s.state_dir, "cpu", new, None)
+    t = config.settings(env_for(tmp_path, VLLM_DIR=str(tmp_path / "mine")))
+    assert t.vllm_dir == tmp_path / "mine" and t.slot_dir is None and t.venv_dir == s.venv_dir
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"current": {"name": "x"}}'])
+def test_a_damaged_pointer_is_named_with_the_fix(tmp_path, text):
+    state = tmp_path / "state"
+    state.mkdir()
+    slots.pointer(state, "cpu").write_text(text)
+    with pytest.raises(BadInput) as e:
+        config.settings(env_for(tmp_path))
+    assert str(slots.pointer(state, "cpu")) in e.value.message and "remove the file" in e.value.message
+
+
+def test_prune_keeps_the_named_builds_of_its_device_and_nothing_else_is_touched(tmp_path):
+    state = tmp_path / "state"
+    a, b, c = (slots.new(state, "cpu", "v", "e", "a") for _ in range(3))
+    other = slots.new(state, "cuda", "v", "e", "a")
+    (c.record_dir / "v").mkdir()
+    (c.record_dir / "v" / "f").write_text("x")
+    own = slots.own(tmp_path / "vllm", tmp_path / ".venv", tmp_path / "artifacts", state)
+    (tmp_path / "vllm").mkdir()
+    assert len({a.name, b.name, c.name}) == 3
+    assert slots.prune(state, "cpu", [a, own]) == sorted([b.name, c.name])
+    assert a.record_dir.is_dir() and other.record_dir.is_dir() and (tmp_path / "vllm").is_dir()
+    assert not b.record_dir.exists() and not c.record_dir.exists()
+
+
+def test_disk_counts_a_hard_linked_file_once(tmp_path):
+    s = slots.new(tmp_path, "cpu", "v", "e", "a")
+    for d in (s.vllm_dir, s.venv_dir):
+        d.mkdir()
+    (s.vllm_dir / "f").write_bytes(os.urandom(1 << 20))
+    os.link(s.vllm_dir / "f", s.venv_dir / "f")
+    assert 1 << 20 <= slots.disk(s) < 2 << 20
+
+
+def test_rollback_with_no_update_behind_it_and_update_with_named_paths_exit_2(tmp_path, rig_env):
+    env = {k: v for k, v in rig_env.items() if k not in slots.VARIABLES}
+    r = run_rig({**env, "DEVICE": "cpu"}, "rollback")
+    assert r.code == 2 and "no update has switched builds yet" in r.err, r.err
+    r = run_rig({**rig_env, "DEVICE": "cpu"}, "update")
+    assert r.code == 2 and "unset VLLM_DIR" in r.err, r.err  # rig_env names the tree's path
+
+
+def test_an_update_across_nodes_is_refused_naming_the_way(tmp_path, rig_env):
+    env = {k: v for k, v in rig_env.items() if k not in slots.VARIABLES}
+    r = run_rig({**env, "NODES": "2", "NODE_RANK": "0", "HEAD_ADDR": "127.0.0.1", "NODES_SECRET": "s" * 32},
+                "update")
+    assert r.code == 2 and "NODES" in r.err and "./build.sh on every node" in r.err, r.err
