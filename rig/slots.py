@@ -132,10 +132,11 @@ def prune(state_dir: Path, device: str, keep: list[Slot]) -> list[str]:
     return gone
 
 
-def disk(slot: Slot) -> int:
-    """Bytes on disk of one build (a file hard-linked twice counted once: uv links wheels from its cache)."""
+def disk(slot: Slot) -> tuple[int, int]:
+    """Bytes on disk of one build, and how many of them are files linked from elsewhere too (uv links the wheels'
+    files from its cache: those cost nothing more while the cache keeps them). A file linked twice counts once."""
     seen: set[tuple[int, int]] = set()
-    total = 0
+    total = shared = 0
     for top in (slot.vllm_dir, slot.venv_dir, slot.artifacts_dir):
         for folder, _, files in os.walk(top):
             for f in files:
@@ -146,4 +147,5 @@ def disk(slot: Slot) -> int:
                 if (st.st_dev, st.st_ino) not in seen:
                     seen.add((st.st_dev, st.st_ino))
                     total += st.st_blocks * 512
-    return total
+                    shared += st.st_blocks * 512 if st.st_nlink > 1 else 0
+    return total, shared

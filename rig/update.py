@@ -207,6 +207,7 @@ def _stop_quietly(engine: Engine) -> None:
 
 
 def _disk(*kept: slots.Slot) -> None:
-    sizes = [(k, slots.disk(k)) for k in kept]
-    say("builds kept: " + "; ".join(f"{k.describe()} {n / 1e9:.1f} GB" for k, n in sizes)
-        + f" ({sum(n for _, n in sizes) / 1e9:.1f} GB in all, files uv links from its cache counted)")
+    sizes = [(k, *slots.disk(k)) for k in kept]
+    say("builds kept: " + "; ".join(f"{k.describe()} {n / 1e9:.1f} GB ({(n - shared) / 1e9:.1f} GB its own, the "
+                                    f"rest linked from uv's cache)" for k, n, shared in sizes)
+        + f"; {sum(n - shared for _, n, shared in sizes) / 1e9:.1f} GB of their own in all")

@@ -17,7 +17,7 @@ import pytest
 import tomli_w
 from conftest import ROOT
 
-from rig import artifacts, config, leftovers, products, verify
+from rig import artifacts, bundlewrite, config, leftovers, products, verify
 from rig.errors import BadInput, WorkFailed
 from rig.kernels.expected import write_list
 
@@ -535,3 +535,46 @@ def test_the_kernels_record_is_json_and_an_older_toml_one_still_reads(tmp_path):
     assert products.read(tmp_path) == rec  # a rewritten file is read again, not taken from the cache
     (tmp_path / products.RECORD).write_text("neither {")
     assert products.read(tmp_path) is None
+
+
+def test_without_the_zstd_program_the_zstandard_module_reads_the_tarball(packed, tmp_path):
+    """A GPU box may have no zstd program: the module (in the test extras, so CI runs this) reads it instead."""
+    empty = tmp_path / "no-zstd-here"
+    empty.mkdir()
+    r = verify_cli(packed, tmp_path / "d", env={"PATH": str(empty), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert f"verified and installed {len(FILES)} files" in r.stdout
+    for rel, data in FILES.items():
+        assert (tmp_path / "d" / rel).read_bytes() == data
+
+
+def test_with_neither_the_zstd_program_nor_the_module_both_are_named(packed, tmp_path):
+    empty = tmp_path / "no-zstd-here"
+    empty.mkdir()
+    r = verify_cli(packed, tmp_path / "d", before="import sys; sys.modules['zstandard'] = None\n",
+                   env={"PATH": str(empty), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2, r.stderr
+    assert "the zstd program (or Python's zstandard module) to read it" in r.stderr and "apt-get install -y zstd" \
+        in r.stderr, r.stderr
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+
+
+def test_the_bundles_kernels_are_gzip_that_the_standard_library_verifies(packed, tmp_path):
+    manifest = artifacts.read_manifest(packed / artifacts.MANIFEST)
+    out = tmp_path / "kernels"
+    bundlewrite.kernels(packed, manifest, out)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.toml", "ops.sha256", "ops.tar.gz"]
+    m = artifacts.read_manifest(out / artifacts.MANIFEST)
+    assert m["compression"] == "gzip" and m["tarball"] == "ops.tar.gz"
+    assert m["tarball_sha256"] == artifacts.sha256_file(out / "ops.tar.gz")
+    assert {k: v for k, v in m.items() if not k.startswith("tarball") and k != "compression"} == \
+        {k: v for k, v in manifest.items() if not k.startswith("tarball") and k != "compression"}
+    empty = tmp_path / "no-zstd-here"
+    empty.mkdir()
+    r = verify_cli(out, tmp_path / "d", before="import sys; sys.modules['zstandard'] = None\n",
+                   env={"PATH": str(empty), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    (packed / "ops.tar.zst").write_bytes((packed / "ops.tar.zst").read_bytes() + b"\0")
+    with pytest.raises(BadInput) as e:
+        bundlewrite.kernels(packed, manifest, tmp_path / "again")
+    assert "ops.tar.zst" in e.value.message and "its manifest's" in e.value.message

@@ -75,7 +75,9 @@ def test_disk_counts_a_hard_linked_file_once(tmp_path):
         d.mkdir()
     (s.vllm_dir / "f").write_bytes(os.urandom(1 << 20))
     os.link(s.vllm_dir / "f", s.venv_dir / "f")
-    assert 1 << 20 <= slots.disk(s) < 2 << 20
+    (s.venv_dir / "g").write_bytes(os.urandom(1 << 20))
+    total, shared = slots.disk(s)
+    assert 2 << 20 <= total < 3 << 20 and 1 << 20 <= shared < 2 << 20
 
 
 def test_rollback_with_no_update_behind_it_and_update_with_named_paths_exit_2(tmp_path, rig_env):
