@@ -211,8 +211,9 @@ def write(s: Settings, dest: Path, part_size: int | None, python: str | None, uv
     if not serves(str(manifest.get("python")), python):
         raise BadInput(problem("--python", f"a Python the kernels load under ({manifest.get('python')})", python,
                                "write the bundle for one of those, or build for that Python"))
+    host = venvs.torch_route(kt.torch) == "host"  # the build's route, whatever TORCH says now
     lock = runtime.read_lock(s.runtime_lock)
-    pins = {n: p for n, p in lock.pins.items() if not (s.torch == "host" and venvs.torch_family(n))}
+    pins = {n: p for n, p in lock.pins.items() if not (host and venvs.torch_family(n))}
     dest = Path(dest).expanduser().resolve()
     work = dest.with_name(f".{dest.name}.new-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
@@ -220,7 +221,7 @@ def write(s: Settings, dest: Path, part_size: int | None, python: str | None, uv
     try:
         say(f"bundle: the pinned uv, the tree {tree.head[:12]} ({tree.tag} + series), the kernels, "
             f"{len(pins)} wheels of {s.runtime_lock.name} for CPython {python}"
-            + (" (the torch family left to the host)" if s.torch == "host" else ""))
+            + (" (the torch family left to the host)" if host else ""))
         pinned_uv(s, work / bundle.UV)
         Git(s.vllm_dir).run("bundle", "create", "--quiet", str(work / bundle.TREE), "HEAD", f"refs/tags/{tree.tag}")
         kernels(s.artifacts_dir, manifest, work / bundle.KERNELS)
@@ -261,7 +262,7 @@ def describe(s: Settings, kt: target.KernelTarget, tree: worktree.TreeRecord, py
         "tree": {"head": tree.head, "base": tree.base, "tag": tree.tag, "source": tree.source, "tree": tree.tree,
                  "origin": tree.origin},
         "target": {"series": tree.series, "lock_sha256": runtime.read_lock(s.runtime_lock).sha256,
-                   "device": s.device, "torch_route": s.torch, "torch": kt.torch, "python": python,
+                   "device": s.device, "torch_route": venvs.torch_route(kt.torch), "torch": kt.torch, "python": python,
                    "platform": runtime.PLATFORM, "ops_obj": kt.ops_obj},
         "files": files,
     }

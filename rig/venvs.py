@@ -58,6 +58,14 @@ def _torch_dir(venv: Path) -> Path | None:
     return None
 
 
+HOST = "host "  # how torch_version() marks a torch the host provides
+
+
+def torch_route(torch: str) -> str:
+    """``host`` or ``pinned``: the route a recorded torch (:func:`torch_version`) came by."""
+    return "host" if torch.startswith(HOST) else "pinned"
+
+
 def torch_version(venv: Path) -> str | None:
     """torch as the build records it: ``2.13.0`` in the venv, ``host 2.11.0+cu130`` from the host (the CUDA
     version added where the host's version carries no local part), None without torch."""
@@ -69,7 +77,7 @@ def torch_version(venv: Path) -> str | None:
         if d == site_packages(venv):
             return version
         cuda = torch_cuda(venv)
-        return f"host {version}" + (f"+cu{cuda.replace('.', '')}" if "+" not in version and cuda else "")
+        return f"{HOST}{version}" + (f"+cu{cuda.replace('.', '')}" if "+" not in version and cuda else "")
     return None
 
 

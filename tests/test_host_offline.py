@@ -66,6 +66,7 @@ def offline_bundle(host_build, tmp_path_factory):
     dest, r, env = host_build
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     out = tmp_path_factory.mktemp("bundle") / "b"
+    env = {k: v for k, v in env.items() if k not in ("TORCH", "PYTHON")}  # the pack follows the build's route
     p = subprocess.run([str(dest / "scripts/nox.sh"), "-s", "pack", "--", "--offline", str(out), "--part-size", "50M"],
                        cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
     return out, p
