@@ -78,9 +78,17 @@ def symbols(path: Path) -> tuple[frozenset[str], frozenset[str]]:
 
 
 @functools.cache
-def needed(path: Path) -> tuple[str, ...]:
+def dynamic(path: Path) -> tuple[tuple[str, ...], tuple[Path, ...]]:
+    """An ELF file's NEEDED libraries and its RUNPATH/RPATH folders, from one ``readelf -d``."""
     out = subprocess.run([elf_tool("readelf"), "-d", str(path)], capture_output=True, text=True).stdout
-    return tuple(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out))
+    dirs: list[Path] = []
+    for m in re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", out):
+        dirs += [Path(d.replace("$ORIGIN", str(path.parent))) for d in m.split(":") if d]
+    return tuple(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)), tuple(dirs)
+
+
+def needed(path: Path) -> tuple[str, ...]:
+    return dynamic(path)[0]
 
 
 def library_index(dirs: Iterable[Path]) -> dict[str, Path]:

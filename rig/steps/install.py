@@ -29,16 +29,6 @@ from rig.steps.base import Context, Status, Step
 DRIVER = "libcuda.so.1"
 
 
-def _dynamic(path: Path) -> tuple[list[str], list[Path]]:
-    """An ELF file's NEEDED libraries and its RUNPATH/RPATH folders, from one ``readelf -d``."""
-    out = subprocess.run([abi.elf_tool("readelf"), "-d", str(path)], capture_output=True, text=True).stdout
-    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
-    dirs = []
-    for m in re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", out):
-        dirs += [Path(d.replace("$ORIGIN", str(path.parent))) for d in m.split(":") if d]
-    return needed, dirs
-
-
 def link_check(s: Settings, rec: products.Record) -> list[str]:
     """Problems of the link layer; checks each product ELF's NEEDED list (no driver needed)."""
     venv_libs = {p.name for d in (venvs.site_packages(s.venv_dir), *venvs.host_dirs(s.venv_dir))
@@ -53,7 +43,7 @@ def link_check(s: Settings, rec: products.Record) -> list[str]:
             if fh.read(4) != b"\x7fELF":
                 continue
         checked += 1
-        needed, runpaths = _dynamic(path)
+        needed, runpaths = abi.dynamic(path)
         for lib in needed:
             if lib == DRIVER:  # the driver: present on the GPU host, a link stub on a build box
                 drivers.append(rel)
