@@ -72,6 +72,7 @@ SAID = {  # the rig's words for each fault, in the journal (the log for diskfull
 }
 RECOVER_TIMEOUT = 300.0
 FULL_FOR = 12.0  # the disk kept full past vLLM's stats line (every 10 s): output is dropped even when no request logs
+NOTE_WAIT = 30.0  # seconds for the log writer's drop note once the disk has room again
 PASSED = ("RIG_CACHE", "CACHE_ROOT")  # where the caller keeps the caches: the unit's too
 
 
@@ -232,6 +233,14 @@ def wait_for(cond, timeout: float, step: float = 0.5) -> bool:
     return False
 
 
+def since(path: Path, offset: int) -> str:
+    """What ``path`` holds after byte ``offset`` (a byte offset: the log holds multi-byte characters, so slicing its
+    text at ``offset`` would start past what was written after it)."""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        return fh.read().decode(errors="replace")
+
+
 def inject(kind: str, svc: Service, s, load_: Load, log: Path, ckpt: Path, tmpfs: Path | None, journal: Path,
            tally: Tally) -> None:
     rec = load(s)
@@ -270,7 +279,7 @@ def inject(kind: str, svc: Service, s, load_: Load, log: Path, ckpt: Path, tmpfs
             pass
         time.sleep(FULL_FOR)
         filler.unlink()
-        noted = wait_for(lambda: SAID[kind] in log.read_text(errors="replace")[size:], 30)
+        noted = wait_for(lambda: SAID[kind] in since(log, size), NOTE_WAIT)
         same = (load(s) or rec).pid == rec.pid  # the engine served on: no restart
         recovered = noted and same and wait_for(lambda: load_.answered_since(time.monotonic() - 1), 10)
     else:
@@ -283,12 +292,12 @@ def inject(kind: str, svc: Service, s, load_: Load, log: Path, ckpt: Path, tmpfs
         recovered = wait_for(lambda: svc.ready_since(t0) is not None and load_.answered_since(svc.ready_since(t0)),
                              RECOVER_TIMEOUT)
     t1 = time.monotonic()
-    said = journal.read_bytes()[jpos:].decode(errors="replace") + (log.read_text(errors="replace")[size:]
-                                                                    if kind == "diskfull" else "")
+    said = since(journal, jpos) + (since(log, size) if kind == "diskfull" else "")
     if SAID[kind] not in said:
         tally.problems.append(f"{kind}: the rig did not say {SAID[kind]!r}")
     if not recovered:
-        tally.problems.append(f"{kind}: not recovered within {RECOVER_TIMEOUT:.0f} s")
+        waited = NOTE_WAIT if kind == "diskfull" else RECOVER_TIMEOUT
+        tally.problems.append(f"{kind}: not recovered within {waited:.0f} s")
         return
     tally.recovered += 1
     tally.times.append(t1 - t0)
