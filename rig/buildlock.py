@@ -75,3 +75,16 @@ class BuildLock:
             fh.truncate()
             fcntl.flock(fh, fcntl.LOCK_UN)
             fh.close()
+
+
+def held_alone(path: Path, item: str, holder: str, fix: str) -> IO[str]:
+    """An exclusive flock on ``path`` taken at once, or exit 2 naming ``item``, who ``holder`` is and the ``fix``;
+    the kernel drops it with the returned file (close it, or use it in a ``with``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise BadInput(problem(item, "free", f"{holder} holds {path}", fix)) from None
+    return fh

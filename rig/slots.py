@@ -97,10 +97,13 @@ def applied(s: Any, env: Mapping[str, str]) -> Any:
     if any(env.get(n) for n in VARIABLES):
         return s
     current, _ = read(s.state_dir, s.device)
-    if current is None or not current.name:
-        return s
-    return dataclasses.replace(s, vllm_dir=current.vllm_dir, venv_dir=current.venv_dir,
-                               artifacts_dir=current.artifacts_dir, slot_dir=current.record_dir)
+    return s if current is None or not current.name else place(s, current)
+
+
+def place(s: Any, slot: Slot) -> Any:
+    """``s`` (rig.config.Settings) with ``slot``'s paths: its tree, venv, kernels folder and record."""
+    return dataclasses.replace(s, vllm_dir=slot.vllm_dir, venv_dir=slot.venv_dir, artifacts_dir=slot.artifacts_dir,
+                               slot_dir=slot.record_dir if slot.name else None)
 
 
 def new(state_dir: Path, device: str, tree_name: str, venv_name: str, artifacts_name: str) -> Slot:

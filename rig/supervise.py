@@ -10,7 +10,6 @@ EngineCore and workers outlive a SIGKILL of the server.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ import psutil
 import tomli_w
 
 from rig import REPO_ROOT, atomic, logs, sdnotify, watchdog
+from rig.buildlock import held_alone
 from rig.config import Serve, Settings
 from rig.console import error, quote, say, warn
 from rig.engine import Engine, runtime_dir
@@ -180,15 +180,8 @@ class Launch:
 
 
 def _lock(s: Settings) -> IO[str]:
-    s.state_dir.mkdir(parents=True, exist_ok=True)
-    fh = open(s.state_dir / "engine.lock", "a+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.close()
-        raise BadInput(problem("the engine lock", "free", f"another start holds {s.state_dir / 'engine.lock'}",
-                               "wait for that start to finish, then nox -s status")) from None
-    return fh
+    return held_alone(s.state_dir / "engine.lock", "the engine lock", "another start",
+                      "wait for that start to finish, then nox -s status")
 
 
 def running_message(rec: Record) -> str:

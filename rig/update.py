@@ -11,8 +11,6 @@ previous one are kept (``nox -s rollback`` switches between them); older slots a
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from rig import config, control, slots, start, supervise
-from rig.buildlock import BuildLock
+from rig.buildlock import BuildLock, held_alone
 from rig.config import Settings
 from rig.console import say, warn
 from rig.errors import BadInput, RigError, WorkFailed, problem
@@ -75,15 +73,8 @@ def systemd(unit: str) -> Engine:
 
 def _lock(s: Settings) -> IO[str]:
     """One update or rollback at a time (the builds have their own locks)."""
-    s.state_dir.mkdir(parents=True, exist_ok=True)
-    fh = open(s.state_dir / "update.lock", "a+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.close()
-        raise BadInput(problem("the update lock", "free", f"another update or rollback holds "
-                               f"{s.state_dir / 'update.lock'}", "wait for it to finish")) from None
-    return fh
+    return held_alone(s.state_dir / "update.lock", "the update lock", "another update or rollback",
+                      "wait for it to finish")
 
 
 def _settings(env: Mapping[str, str]) -> tuple[Settings, slots.Slot, slots.Slot | None]:
@@ -104,11 +95,6 @@ def _settings(env: Mapping[str, str]) -> tuple[Settings, slots.Slot, slots.Slot 
     return s, current, previous
 
 
-def in_slot(s: Settings, slot: slots.Slot) -> Settings:
-    return dataclasses.replace(s, vllm_dir=slot.vllm_dir, venv_dir=slot.venv_dir, artifacts_dir=slot.artifacts_dir,
-                               slot_dir=slot.record_dir if slot.name else None)
-
-
 def update(env: Mapping[str, str], engine: Engine, *, force: bool = False) -> int:
     """Build the checkout's series beside the current build, switch to it, and roll back when its engine fails."""
     s, current, previous = _settings(env)
@@ -124,7 +110,7 @@ def update(env: Mapping[str, str], engine: Engine, *, force: bool = False) -> in
             return 0
         why = f"step {stale[0]}: {stale[1]}" if stale else "--force"
         new = slots.new(s.state_dir, s.device, s.vllm_dir.name, s.venv_dir.name, s.artifacts_dir.name)
-        ns = in_slot(s, new)
+        ns = slots.place(s, new)
         say(f"update: building into {new.record_dir} ({why}); the engine keeps serving {current.describe()}")
         t0 = time.monotonic()
         try:

@@ -102,17 +102,20 @@ def bare_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def start_demo(dest: Path, d: Path, **extra: str) -> tuple[dict[str, str], subprocess.CompletedProcess]:
+    """``./start.sh --demo`` in ``dest`` as a bare user (HOME, the log in ``d``), on a free port, with the key."""
+    (d / "home").mkdir()
+    env = bare_env(d / "home", LOG=str(d / "vllm.log"), PORT=str(free_port()), VLLM_API_KEY=KEY, **extra)
+    return env, subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True,
+                               text=True, timeout=1800)
+
+
 @pytest.fixture(scope="module")
 def served(fresh, tmp_path_factory):
     dest, cuda, _ = fresh
     assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
-    d = tmp_path_factory.mktemp("engine")
-    (d / "home").mkdir()
-    env = bare_env(d / "home", LOG=str(d / "vllm.log"), PORT=str(free_port()), START_TIMEOUT="900",
-                   VLLM_API_KEY=KEY)
     t0 = time.monotonic()
-    r = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True, text=True,
-                       timeout=1800)
+    env, r = start_demo(dest, tmp_path_factory.mktemp("engine"), START_TIMEOUT="900")
     took = time.monotonic() - t0
     state = tomllib_load(dest / ".rig" / "engine.toml") if r.returncode == 0 else {}
     yield dest, env, r, took, state

@@ -9,7 +9,6 @@ it), and one that raises when the API server starts serving (the build passes, t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_serve_real import KEY, bare_env, free_port, nox
+from test_serve_real import KEY, bare_env, nox, os_pgid, start_demo, tomllib_load
 
 from rig import slots
 
@@ -66,11 +65,7 @@ def serving(fresh, tmp_path_factory):
     dest, cuda, _ = fresh
     assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
     d = tmp_path_factory.mktemp("update")
-    (d / "home").mkdir()
-    env = bare_env(d / "home", LOG=str(d / "vllm.log"), PORT=str(free_port()), START_TIMEOUT="600",
-                   VLLM_API_KEY=KEY)
-    r = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=env, capture_output=True, text=True,
-                       timeout=1800)
+    env, r = start_demo(dest, d, START_TIMEOUT="600")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     asker = Asker(int(env["PORT"]))
     asker.start()
@@ -119,20 +114,12 @@ def pointer(dest: Path) -> tuple[slots.Slot | None, slots.Slot | None]:
 
 def serving_venv(dest: Path) -> str:
     """The venv the running API server was started from (its command line's first word)."""
-    rec = (dest / ".rig" / "engine.toml").read_text()
-    pgid = int(next(ln.split("=")[1] for ln in rec.splitlines() if ln.startswith("pgid")))
+    pgid = tomllib_load(dest / ".rig" / "engine.toml")["pgid"]
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "serve" in cmd[1:3] and p.pid != pgid and _pgid(p.pid) == pgid:
+        if "serve" in cmd[1:3] and p.pid != pgid and os_pgid(p.pid) == pgid:
             return cmd[0]
     return ""
-
-
-def _pgid(pid: int) -> int:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return -1
 
 
 def test_rollback_before_any_update_has_nothing_to_go_back_to(serving):
