@@ -77,6 +77,9 @@ def _build_arguments(p: argparse.ArgumentParser) -> None:
                    help="tree step: record the tree the series builds as the expected one in series.toml")
     p.add_argument("--verify", action="store_true", help="re-hash the build products instead of the fast check")
     p.add_argument("--no-pack", action="store_true", help="skip step 8, the kernel pack (PACK=0)")
+    p.add_argument("--pre-start", action="store_true",
+                   help="the service's ExecStartPre: once an update or rollback has switched builds, the build it "
+                   "switched to is served as built (a new series is built beside it by the update), else as without")
 
 
 def _tree_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,6 +116,8 @@ def _steps(what: str, only: list[str] | None = None) -> Callable[[Args], int]:
     def does(a: Args) -> int:
         pipeline = _use("steps.pipeline")
         s = config.settings()
+        if getattr(a, "pre_start", False) and _use("update").switched_build(s, os.environ):
+            return 0
         opts = pipeline.Options(force=a.force, accept=getattr(a, "accept", False), verify=getattr(a, "verify", False),
                                 pack=not getattr(a, "no_pack", False) and s.pack)
         with _use("buildlock").BuildLock(s, what):

@@ -16,9 +16,11 @@ from pathlib import Path
 from rig import REPO_ROOT
 
 UNIT = REPO_ROOT / "systemd" / "vllm.service"
-#: The unit's Limit*= lines the rig checks, and what each limit is for, said in a warning.
-LIMITS = {"LimitNOFILE": (resource.RLIMIT_NOFILE, "open files: a socket per client connection"),
-          "LimitMEMLOCK": (resource.RLIMIT_MEMLOCK, "locked memory: NCCL and CUDA pin host memory for transfers")}
+#: The unit's Limit*= lines the rig checks: the limit, what it is for and what a lower one costs, said in a warning.
+LIMITS = {"LimitNOFILE": (resource.RLIMIT_NOFILE, "open files: a socket per client connection",
+                          "expect fewer connections"),
+          "LimitMEMLOCK": (resource.RLIMIT_MEMLOCK, "locked memory: NCCL and CUDA pin host memory for transfers",
+                           "expect NCCL or pinned copies to fail or to fall back to slower paths")}
 
 
 def asked(unit: Path = UNIT) -> dict[str, int]:
@@ -43,11 +45,11 @@ def shortfalls(want: dict[str, int], get: Callable[[int], tuple[int, int]] = res
     """One line per limit this process got below what the unit asks for (its soft limit, which is what counts)."""
     out = []
     for name, value in want.items():
-        which, why = LIMITS[name]
+        which, why, cost = LIMITS[name]
         soft, hard = get(which)
         if _below(soft, value):
             out.append(f"{name}: the unit asks for {_shown(value)}, this process got {_shown(soft)} (hard limit "
                        f"{_shown(hard)}) for {why}; the box did not grant it (its root lacks CAP_SYS_RESOURCE, or a "
-                       "container caps it): raise it where the box is made (docker/podman --ulimit), or expect "
-                       "fewer connections")
+                       "container caps it): raise it where the box is made (docker/podman --ulimit), or "
+                       f"{cost}")
     return out

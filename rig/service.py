@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tomli_w
 
-from rig import REPO_ROOT, atomic, config, profiles, update
+from rig import REPO_ROOT, atomic, config, profiles, unitfile, update
 from rig.console import say, warn
 from rig.errors import BadInput, WorkFailed, problem
 from rig.hashing import sha256_file
@@ -113,8 +113,27 @@ def _systemctl(t: Target, *args: str, check: bool = True) -> int:
     return r.returncode
 
 
+#: Folders the unit's PrivateTmp=yes replaces with the service's own, empty ones.
+PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))
+
+
+def check_repo_path(repo: Path) -> None:
+    """The service runs the repository in place; under a folder PrivateTmp= hides it would not exist for the
+    service (systemd fails each start with 226/NAMESPACE and nothing else)."""
+    real = repo.resolve()
+    for hidden in PRIVATE_TMP:
+        if real == hidden or hidden in real.parents:
+            raise BadInput(problem("the repository's path for the service",
+                                   f"outside {' and '.join(map(str, PRIVATE_TMP))}",
+                                   f"{real} (the unit's PrivateTmp=yes gives the service its own empty {hidden})",
+                                   "clone or move the rig elsewhere (/opt/vllm, as the unit's template has it) and "
+                                   "install from there"))
+
+
 def install(t: Target, node_rank: int | None = None) -> int:
     _need_root(t, "install")
+    if t.real:
+        check_repo_path(t.repo)
     record = _load_record(t)
     files = record.get("files", {})
     unit = t.path(UNIT)
@@ -183,6 +202,26 @@ def uninstall(t: Target) -> int:
     return 0
 
 
+#: What the update keeps of the caller's environment; every other variable is the service's own.
+CALLER_KEEPS = ("HOME", "TERM", "NO_COLOR", "USER", "LOGNAME")
+
+
+def service_env(t: Target, verb: str) -> dict[str, str]:
+    """The environment the service runs with (the installed unit's Environment= and its environment file), for an
+    update or rollback run from a shell: the shell's own variables (DEVICE, PROFILE, ... or none) would build and
+    switch a different build from the one the unit's ExecStartPre checks and its ExecStart serves."""
+    unit = t.path(UNIT)
+    if not unit.exists():
+        raise BadInput(problem(f"service {verb}", f"the unit installed at {unit}", "no such file",
+                               "scripts/install-as-service.sh install first, or nox -s update for an engine started "
+                               "with ./start.sh"))
+    env = unitfile.environment(unitfile.settings(unit.read_text()), t.root, notify="")
+    for key in ("NOTIFY_SOCKET", "INVOCATION_ID"):
+        env.pop(key, None)
+    say(f"service {verb}: with the service's environment ({unit}'s Environment= and {t.path(ENV_FILE)})")
+    return {**{k: os.environ[k] for k in CALLER_KEEPS if k in os.environ}, **env}
+
+
 VERBS = ("install", "start", "stop", "status", "update", "rollback", "logs", "uninstall")
 
 
@@ -203,8 +242,9 @@ def run(s: config.Settings, verb: str, root: str | None, lines: int, node_rank: 
     if verb in ("update", "rollback"):
         _need_root(t, verb)
         _require_systemd(t, f"service {verb}")  # before a build that could take an hour
+        env = service_env(t, verb)
         engine = update.systemd("vllm.service")
-        return update.update(os.environ, engine) if verb == "update" else update.rollback(os.environ, engine)
+        return update.update(env, engine) if verb == "update" else update.rollback(env, engine)
     if verb == "status":
         return _systemctl(t, "status", "--no-pager", "vllm.service", check=False)
     _need_root(t, verb)

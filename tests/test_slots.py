@@ -93,3 +93,20 @@ def test_an_update_across_nodes_is_refused_naming_the_way(tmp_path, rig_env):
     r = run_rig({**env, "NODES": "2", "NODE_RANK": "0", "HEAD_ADDR": "127.0.0.1", "NODES_SECRET": "s" * 32},
                 "update")
     assert r.code == 2 and "NODES" in r.err and "./build.sh on every node" in r.err, r.err
+
+
+def test_the_units_pre_start_build_serves_a_switched_build_as_built(tmp_path, rig_env):
+    """``./build.sh --pre-start`` (the unit's ExecStartPre) after an update or rollback switched builds: the
+    checkout's series differs from the build switched to, and the start must serve that build, not rebuild it in
+    place (a restart after a rollback would undo it). Without a switch it is a plain build."""
+    env = {k: v for k, v in rig_env.items() if k not in slots.VARIABLES}
+    s = config.settings(env)
+    new = slots.new(s.state_dir, s.device, "vllm", ".venv", "artifacts")
+    slots.write(s.state_dir, s.device, new, slots.own(s.vllm_dir, s.venv_dir, s.artifacts_dir, s.state_dir))
+    r = run_rig(env, "build", "--pre-start")
+    assert r.code == 0, r.text
+    assert f"pre-start: slot {new.name} is the build an update or rollback switched to" in r.out, r.out
+    assert "served as built. The checkout differs from it (step " in r.out and "update builds that beside it" in r.out
+    assert not new.vllm_dir.exists() and "[1/8]" not in r.out  # nothing built
+    r = run_rig(rig_env, "build", "--pre-start", "--only", "tools")  # the paths named: no switch applies
+    assert r.code == 0 and "pre-start:" not in r.out and "[1/8] tools" in r.out, r.text

@@ -21,7 +21,7 @@ from rig import products, record, venvs
 from rig.config import Settings
 from rig.console import say, warn
 from rig.cudastub import driver_loadable
-from rig.errors import WorkFailed, problem
+from rig.errors import BadInput, RigError, WorkFailed, problem
 from rig.kernels import abi, pip, route
 from rig.series import Series
 from rig.steps.base import Context, Status, Step
@@ -29,12 +29,18 @@ from rig.steps.base import Context, Status, Step
 DRIVER = "libcuda.so.1"
 
 
-def link_check(s: Settings, rec: products.Record) -> list[str]:
-    """Problems of the link layer; checks each product ELF's NEEDED list (no driver needed)."""
+#: Libraries the kernels load from the system rather than the venv, and the Debian/Ubuntu package of each (vLLM's
+#: CPU kernels need libnuma: a minimal system lacks it, and the import then fails with no word of why).
+SYSTEM_LIBS = {"libnuma.so.1": "libnuma1", "libgomp.so.1": "libgomp1", "libstdc++.so.6": "libstdc++6"}
+
+
+def unresolved(s: Settings, rec: products.Record) -> tuple[list[tuple[str, str]], list[str], int]:
+    """Each product ELF's NEEDED list against the venv and the system (no driver needed): the (file, library) pairs
+    nothing resolves, the files that need the driver, and how many ELF files were read."""
     venv_libs = {p.name for d in (venvs.site_packages(s.venv_dir), *venvs.host_dirs(s.venv_dir))
                  for p in d.rglob("*.so*")}
     system = set(abi.loader_cache())
-    problems = []
+    missing: list[tuple[str, str]] = []
     drivers = []
     checked = 0
     for rel in sorted(rec.files):
@@ -47,13 +53,26 @@ def link_check(s: Settings, rec: products.Record) -> list[str]:
         for lib in needed:
             if lib == DRIVER:  # the driver: present on the GPU host, a link stub on a build box
                 drivers.append(rel)
-                continue
-            if lib in venv_libs or lib in system or any((d / lib).exists() for d in runpaths):
-                continue
-            problems.append(f"{rel} needs {lib}, found neither in {s.venv_dir} nor on the system")
-    say(f"link layer: {checked} ELF file(s) checked; {DRIVER} (the driver, not in the venv) is needed by "
-        f"{len(drivers)}: {', '.join(Path(d).name for d in drivers) or 'none'}")
-    return problems
+            elif not (lib in venv_libs or lib in system or any((d / lib).exists() for d in runpaths)):
+                missing.append((rel, lib))
+    return missing, drivers, checked
+
+
+def link_problem(missing: list[tuple[str, str]], venv: Path) -> RigError:
+    """The error for libraries nothing resolves, each with the files that need it. A library of ``SYSTEM_LIBS`` is
+    the box's to provide, as a missing tool is (exit 2, with the package); any other means a broken build (exit 1)."""
+    needers: dict[str, list[str]] = {}
+    for rel, lib in missing:
+        needers.setdefault(lib, []).append(rel)
+    found = "; ".join(f"{lib} (needed by {', '.join(rels)}) in neither {venv} nor the system's library path"
+                      for lib, rels in needers.items())
+    pkgs = sorted({SYSTEM_LIBS[lib] for lib in needers if lib in SYSTEM_LIBS})
+    if len(pkgs) == len(needers):
+        return BadInput(problem("the link check", "every library the kernels need", found,
+                                f"apt-get install -y {' '.join(pkgs)} (the kernels load it from the system), then "
+                                "./build.sh"))
+    return WorkFailed(problem("the link check", f"every NEEDED library resolves ({DRIVER} aside)", found,
+                              "./build.sh --force, or check the toolchain step's toolkit"))
 
 
 #: The CPU build's import check: vLLM picks its CPU platform and loads the kernels it picks for this CPU (``_C``
@@ -71,8 +90,12 @@ CPU_CHECK = (
 )
 
 
-def cpu_import_check(s: Settings) -> str:
-    """The full import on the CPU: ``vllm._C`` loads its ops, the platform is the CPU, ``vllm serve --help`` runs."""
+def cpu_import_check(s: Settings, rec: products.Record) -> str:
+    """The full import on the CPU: ``vllm._C`` loads its ops, the platform is the CPU, ``vllm serve --help`` runs.
+    The link layer first: a system library the kernels need and the box lacks is named, with its package."""
+    missing, _, _ = unresolved(s, rec)
+    if missing:
+        raise link_problem(missing, s.venv_dir)
     py, env = str(venvs.python(s.venv_dir)), {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     r = subprocess.run([py, "-c", CPU_CHECK], capture_output=True, text=True, env=env, cwd="/")
     if r.returncode != 0:
@@ -140,7 +163,7 @@ def import_check(s: Settings, rec: products.Record, leave_out: frozenset[str] = 
     """Full imports with a driver (or for the CPU build), else the link layer; the line that says which.
     ``leave_out``: kernel files the host-torch check found unloadable under this torch (and said so)."""
     if s.device == "cpu":
-        return cpu_import_check(s)
+        return cpu_import_check(s, rec)
     if driver_loadable():
         mods = kernel_modules(rec.files, leave_out)
         r = subprocess.run([str(venvs.python(s.venv_dir)), "-c", DRIVER_CHECK, *mods], capture_output=True,
@@ -155,11 +178,11 @@ def import_check(s: Settings, rec: products.Record, leave_out: frozenset[str] = 
                                      "./build.sh --force (the kernels may be for another torch or driver)"))
         torch = r.stdout.split("torch ", 1)[-1].strip()
         return f"import check: vllm and {len(mods)} compiled extension(s) import with the driver under torch {torch}"
-    problems = link_check(s, rec)
-    if problems:
-        raise WorkFailed(problem("the link check", f"every NEEDED library resolves ({DRIVER} aside)",
-                                 "; ".join(problems[:10]), "./build.sh --force, or check the toolchain step's "
-                                 "toolkit"))
+    missing, drivers, checked = unresolved(s, rec)
+    say(f"link layer: {checked} ELF file(s) checked; {DRIVER} (the driver, not in the venv) is needed by "
+        f"{len(drivers)}: {', '.join(Path(d).name for d in drivers) or 'none'}")
+    if missing:
+        raise link_problem(missing, s.venv_dir)
     return ("import check: no NVIDIA driver here, so only the link layer was checked (every NEEDED library "
             f"resolves, {DRIVER} aside); the full import runs at serve time on the GPU host")
 
