@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from rig import cpuinfo
+from rig import cpuinfo, ple
 from rig.config import Serve, Settings
 from rig.profiles import Box, Profile
 
@@ -270,15 +270,32 @@ def abliteration_file(v: Serve) -> Path | None:
     return v.abliteration_dir / name
 
 
-def series_checks(v: Serve) -> list[Check]:
+def ple_check(v: Serve, ckpt: Path) -> list[Check]:
+    """PLE_OFFLOAD=1: the checkpoint has the table, and the host has its size available in RAM."""
+    if not v.ple_offload or not (ckpt / "config.json").is_file():
+        return []
+    found = ple.table_bytes(ckpt)
+    if found is None:
+        return [Check("PLE offload", "fail", f"a per-layer-embedding table (*{ple.TABLE}) in {ckpt}", "none",
+                      "only Gemma 3n checkpoints have one: set PLE_OFFLOAD=0")]
+    name, size = found
+    free = psutil.virtual_memory().available
+    return [Check("PLE offload", "pass" if size <= free else "fail",
+                  f"{size / 2**30:.2f} GiB of RAM available for {name}", f"{free / 2**30:.2f} GiB",
+                  "free memory on the host, or set PLE_OFFLOAD=0 to keep the table on the card")]
+
+
+def series_checks(v: Serve, ckpt: Path) -> list[Check]:
     """The files the series' switches name, there before the engine loads (it checks their contents)."""
     file = abliteration_file(v)
     if file is None:
-        return []
+        return ple_check(v, ckpt)
     ok = file.is_file()
-    return [Check("abliteration", "pass" if ok else "fail", f"the direction set QWEN38_ABLITERATION={v.abliteration}"
-                  f" at {file}", "present" if ok else "no such file", "put the direction set there (ABLITERATION_DIR "
-                  "is the folder), or set QWEN38_ABLITERATION= (empty) to serve without abliteration")]
+    return ple_check(v, ckpt) + [
+        Check("abliteration", "pass" if ok else "fail",
+              f"the direction set QWEN38_ABLITERATION={v.abliteration} at {file}", "present" if ok else "no such file",
+              "put the direction set there (ABLITERATION_DIR is the folder), or set QWEN38_ABLITERATION= (empty) to "
+              "serve without abliteration")]
 
 
 def scales_path(s: Settings, p: Profile) -> Path | None:
@@ -292,7 +309,7 @@ def start_checks(s: Settings, p: Profile, reader: Callable[[], Reading] | None =
                  gpu_wait: int = 0, v: Serve | None = None) -> tuple[Reading | None, list[Check]]:
     """What start needs of the box: the NVML reading (None without a driver, or for the CPU build) and every
     check of the profile's box (``gpu_wait``: see :func:`gpu_checks`) and of the series' files (``v``)."""
-    series = series_checks(v) if v is not None else []
+    series = series_checks(v, s.ckpt) if v is not None else []
     if s.device == "cpu":
         return None, host_checks(s, p) + series
     try:
@@ -331,7 +348,7 @@ def doctor(s: Settings, p: Profile, v: Serve | None = None, more: Sequence[Check
         except NoDriver as exc:
             out.append(f"no NVIDIA driver here: NVML could not be loaded ({exc}); the GPU checks are skipped")
     checks = (gpu_checks(reading, s, p.box) if reading is not None else []) + host_checks(s, p)
-    checks += series_checks(v) if v is not None else []
+    checks += series_checks(v, s.ckpt) if v is not None else []
     checks += more
     out += [c.line() for c in checks]
     fails = sum(c.status == "fail" for c in checks)

@@ -33,6 +33,7 @@ from rig.varparse import (
     optional_host,
     path,
     per_device,
+    ple_offload,
     port,
     python,
     seconds,
@@ -154,8 +155,12 @@ VARS: tuple[Var, ...] = (
         whole, "max_batched_tokens", "serve", service=True),
     Var("VLLM_LOG_STATS_INTERVAL", "1", "Seconds between the engine's stats lines (vLLM's own default is 10).",
         seconds, "stats_interval", "serve", service=True),
-    Var("PLE_HOME", "0", "The card that hosts the PLE offload: passed to the engine, but no patch of this series "
-        "reads it yet.", index, "ple_home", "serve", service=True),
+    Var("PLE_OFFLOAD", "the profile's `ple_offload` (none sets it: 0)",
+        "`1`: the per-layer-embedding table of a Gemma 3n model stays in host RAM (patch 0007): one child of the "
+        "engine, `VLLM::PLEServer`, holds it and the workers copy each batch's rows to the card. The box check "
+        "needs the table's size free in RAM.", ple_offload, "ple_offload", "serve", derived=True, service=True),
+    Var("PLE_HOME", "0", "The card whose worker receives the PLE offload's rows (tensor parallel: it broadcasts them "
+        "to the others); one of `CUDA_VISIBLE_DEVICES`.", index, "ple_home", "serve", service=True),
     Var("QWEN38_ABLITERATION", "the profile's `abliteration` (none names one: off)",
         "Refusal-direction removal (patch 0005): the direction set `$ABLITERATION_DIR/<name>.safetensors` (one "
         "vector, or one per layer) is removed from the residual stream by orthogonalising the weights at load; "
@@ -306,6 +311,7 @@ class Serve:
     max_seqs: int
     max_batched_tokens: int
     stats_interval: str
+    ple_offload: bool
     ple_home: int
     abliteration: str
     abliteration_dir: Path

@@ -16,13 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rig import ple
 from rig.config import Serve, Settings
 from rig.errors import BadInput, problem
 from rig.profiles import Profile
 from rig.topology import Topology, engine_args
 
 #: Variables the series defines; the rig checks their shape and passes them on unchanged.
-SERIES_VARS = ("PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS", "SCALES")
+SERIES_VARS = ("PLE_OFFLOAD", "PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS",
+               "SCALES")
 SECRET = "VLLM_API_KEY"
 #: An AF_UNIX socket's path holds at most 107 bytes, and vLLM names its sockets ``<base>/<uuid4>`` (37 more).
 SOCKET_ROOM = 107 - 37
@@ -111,6 +113,8 @@ def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
     """The ``vllm serve`` argv and the environment the rig adds for it, from the profile and the settings
     (``net``: the variables that pin this node's interface, rig/netif.py; ``kv_cache_dtype``: instead of the
     profile's, when the plan found that this box cannot keep it)."""
+    if v.ple_offload:
+        ple.check_home(v.ple_home, t.order, s.device)
     argv = [str(s.venv_dir / "bin" / "vllm"), "serve", str(s.ckpt),
             "--served-model-name", *v.names,
             "--host", s.host, "--port", str(s.port),
@@ -139,6 +143,7 @@ def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
         "VLLM_RPC_BASE_PATH": run,
         **t.env,
         **p.env,
+        "PLE_OFFLOAD": "1" if v.ple_offload else "0",
         "PLE_HOME": str(v.ple_home),
         "QWEN38_ABLITERATION": v.abliteration,
         "ABLITERATION_DIR": str(v.abliteration_dir),

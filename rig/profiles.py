@@ -33,6 +33,7 @@ TOP: dict[str, tuple[type | tuple[type, ...], bool, str]] = {
     "kv_cache_dtype": (str, False, "auto or fp8"),
     "scales": (list, False, "KV scales sidecar names in the checkpoint, current first"),
     "abliteration": (str, False, "the default QWEN38_ABLITERATION: a direction set's name, empty for none"),
+    "ple_offload": (bool, False, "the default PLE_OFFLOAD: the per-layer-embedding table in host RAM (Gemma 3n)"),
     "block_size": (str, False, "max_batched_tokens, or empty for vLLM's default"),
     "cudagraph_tokens_per_seq": (int, False, "CUDA graphs up to MAX_SEQS x this many tokens (0: vLLM's default)"),
     "memory_utilization": ((int, float), False, "--gpu-memory-utilization (0: vLLM's default)"),
@@ -79,6 +80,7 @@ class Profile:
     kv_cache_dtype: str = "auto"
     scales: tuple[str, ...] = ()
     abliteration: str = ""
+    ple_offload: bool = False
     block_size: str = ""
     cudagraph_tokens_per_seq: int = 0
     memory_utilization: float = 0.0
@@ -150,6 +152,7 @@ def load(name: str, folder: Path = MODELS_DIR) -> Profile:
         checkpoint=data["checkpoint"], served_name=data["served_name"], service_name=data["service_name"],
         max_model_len=data["max_model_len"], kv_cache_dtype=data.get("kv_cache_dtype", "auto"),
         scales=tuple(data.get("scales", ())), abliteration=data.get("abliteration", ""),
+        ple_offload=data.get("ple_offload", False),
         block_size=data.get("block_size", ""), cudagraph_tokens_per_seq=data.get("cudagraph_tokens_per_seq", 0),
         memory_utilization=float(data.get("memory_utilization", 0)), extra_args=tuple(data.get("extra_args", ())),
         speculative=data.get("speculative", {}), health=data.get("health", {}), env=data.get("env", {}),

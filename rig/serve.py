@@ -112,8 +112,8 @@ def _layers(ckpt: Path, profile: Profile) -> int:
     """The checkpoint's decoder layers (``num_hidden_layers``, of the text model for a multimodal one).
 
     The demo's own folder before a real start has made it: the shape it will be made with."""
-    if profile.name in demo.PROFILES.values() and not (ckpt / "config.json").exists() and not ckpt.exists():
-        return demo.SHAPE["num_hidden_layers"]
+    if profile.name in demo.MADE and not (ckpt / "config.json").exists() and not ckpt.exists():
+        return demo.SHAPES[demo.MADE[profile.name]]["num_hidden_layers"]
     try:
         cfg = json.loads((ckpt / "config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -248,4 +248,6 @@ def run(s: config.Settings, verb: str, root: str | None, lines: int, node_rank: 
     if verb == "status":
         return _systemctl(t, "status", "--no-pager", "vllm.service", check=False)
     _need_root(t, verb)
+    if verb == "start":  # the operator's own start: a crash loop's start limit must not refuse it
+        _systemctl(t, "reset-failed", "vllm.service", check=False)
     return _systemctl(t, verb, "vllm.service")

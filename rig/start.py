@@ -39,8 +39,8 @@ def run(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool,
         return 0
     if build:
         _build_if_needed(s, dry_run)
-    if p.name in demo.PROFILES.values():
-        _demo_model(s, env, dry_run)
+    if p.name in demo.MADE:
+        _demo_model(s, env, demo.MADE[p.name], dry_run)
     report = serve.check_box(s, v, p, box_check)
     serve.show_box(report, dry_run)
     if report.refusal and not dry_run:
@@ -176,16 +176,16 @@ def demo_env(env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def _demo_model(s: Settings, env: Mapping[str, str], dry_run: bool) -> None:
+def _demo_model(s: Settings, env: Mapping[str, str], kind: str, dry_run: bool) -> None:
     """The demo checkpoint, made on the box when it is missing (only the profile's own folder: never a CKPT)."""
     if env.get("CKPT", "").strip():
         return
-    if demo.ready(s.ckpt):
+    if demo.ready(s.ckpt, kind):
         say(f"demo model: {s.ckpt}")
     elif dry_run:
         say(f"demo model: {s.ckpt} is not made yet; a real start makes it (about 15 s)")
     else:
-        _, took = demo.ensure(s.venv_dir / "bin" / "python", s.ckpt, s.root)
+        _, took = demo.ensure(s.venv_dir / "bin" / "python", s.ckpt, s.root, kind)
         say(f"demo model: made {s.ckpt} in {took:.1f} s (random weights, seeded: the same files every time)")
 
 

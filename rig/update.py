@@ -55,12 +55,15 @@ def direct(env: Mapping[str, str]) -> Engine:
 def systemd(unit: str) -> Engine:
     """The engine as the unit runs it, with the unit's own environment file: ``systemctl`` stops and starts it.
     The unit is Type=notify and its supervisor sends READY=1 only after a one-token generation, so a start that
-    returns 0 is a healthy engine; one that fails is told by the journal's lines of that start."""
+    returns 0 is a healthy engine; one that fails is told by the journal's lines of that start. Each start of an
+    update or rollback resets the unit's start counter first: the restarts of a crash loop earlier in the
+    StartLimitIntervalSec= window would otherwise refuse it ("Start request repeated too quickly")."""
     def ctl(*args: str) -> int:
         return subprocess.run(["systemctl", *args, unit]).returncode
 
     def begin() -> None:
         since = f"@{int(time.time())}"
+        ctl("reset-failed")  # a deliberate start: earlier crashes must not spend the unit's StartLimitBurst on it
         if ctl("start") != 0:
             raise WorkFailed(problem(f"systemctl start {unit}", "exit 0 (READY=1 after a one-token generation)",
                                      f"failed: {journal_reason(unit, since)}", f"journalctl -u {unit} -n 50"))

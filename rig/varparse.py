@@ -207,6 +207,15 @@ def abliteration(v: Var, env: Mapping[str, str], root: Path) -> str:
     return raw
 
 
+def ple_offload(v: Var, env: Mapping[str, str], root: Path) -> bool:
+    """PLE_OFFLOAD: set, 0 or 1; unset, the profile's ``ple_offload``."""
+    raw = env[v.name].strip() if v.name in env else ("1" if _profile(env).ple_offload else "0")
+    if raw not in ("0", "1"):
+        raise BadInput(problem(v.name, "0 or 1", repr(raw), f"set {v.name}=0 or {v.name}=1, or unset it for the "
+                               "profile's default"))
+    return raw == "1"
+
+
 def names(v: Var, env: Mapping[str, str], root: Path) -> tuple[str, ...]:
     """MODEL_NAME, else the profile's served name (start.sh's; compose and systemd set their own)."""
     raw = env.get(v.name, "")

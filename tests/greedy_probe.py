@@ -7,6 +7,8 @@ is vLLM's ``LLM`` built from them by vLLM's own parser, with the engine core in 
 generated token ids of each prompt and the top logprobs of each step. With ``PROBE_DIRECTION`` naming a
 ``.safetensors`` vector (or one per layer), it also writes, after each decoder layer, the largest
 |stream . r| / |stream| over the prompts' tokens, where stream is what the layer hands on to the residual stream.
+With ``PROBE_PLE_ROWS`` (token ids, comma-separated) on a Gemma 3n model, it also writes the per-layer-embedding
+rows the model looks up for them, unscaled (to compare with the checkpoint's table).
 """
 
 from __future__ import annotations
@@ -66,6 +68,17 @@ def main() -> None:
     if direction:
         (probe,) = llm.apply_model(lambda model: dict(model.probe))
         result["component"] = [probe[i] for i in sorted(probe)]
+    if os.environ.get("PROBE_PLE_ROWS"):  # a Gemma 3n: the per-layer rows the model looks up, for some token ids
+        import torch
+
+        ids = [int(x) for x in os.environ["PROBE_PLE_ROWS"].split(",")]
+
+        def rows(model):
+            decoder = model.model.self_decoder
+            got = decoder.get_per_layer_input_embeddings(torch.tensor(ids)) / decoder.embed_scale_per_layer
+            return got.float().tolist()
+
+        (result["ple_rows"],) = llm.apply_model(rows)
     with open(out, "w") as fh:
         json.dump(result, fh)
 

@@ -120,7 +120,8 @@ def test_an_abliteration_set_must_be_there_before_the_engine_loads(tmp_path):
     """Patch 0005 checks the set's contents at load; the box check only that the file QWEN38_ABLITERATION names is
     there, so a typo fails in a second with the path and the way to turn it off, not after the engine's start."""
     def checks(**env: str) -> dict:
-        return by_name(box.series_checks(config.serve_settings({"ABLITERATION_DIR": str(tmp_path), **env})))
+        return by_name(box.series_checks(config.serve_settings({"ABLITERATION_DIR": str(tmp_path), **env}),
+                                         tmp_path))
 
     assert checks() == {} and checks(QWEN38_ABLITERATION="") == {}  # neither profile names a set: off
     c = checks(QWEN38_ABLITERATION="my-set")["abliteration"]
@@ -132,3 +133,56 @@ def test_an_abliteration_set_must_be_there_before_the_engine_loads(tmp_path):
     _, start = box.start_checks(settings(DEVICE="cpu"), profiles.load("demo"),
                                 v=config.serve_settings({"QWEN38_ABLITERATION": "absent"}))
     assert by_name(start)["abliteration"].status == "fail"
+
+
+def safetensors_header(path: Path, tensors: dict[str, tuple[str, list[int], int]]) -> None:
+    """A safetensors file's header (name -> dtype, shape, bytes) and no data: the checks read only headers."""
+    header, at = {}, 0
+    for name, (dtype, shape, size) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + size]}
+        at += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+
+
+def test_the_ple_offload_needs_the_table_and_its_size_in_ram(tmp_path):
+    """PLE_OFFLOAD=1: the checkpoint's table (read from the safetensors header) must fit the RAM available now."""
+    import psutil
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+
+    def check(**env: str) -> box.Check | None:
+        return by_name(box.series_checks(config.serve_settings({"PROFILE": "demo", **env}), ckpt)).get("PLE offload")
+
+    safetensors_header(ckpt / "model.safetensors", {"model.embed_tokens.weight": ("BF16", [8, 4], 64)})
+    assert check() is None and check(PLE_OFFLOAD="0") is None  # off: nothing to check
+    c = check(PLE_OFFLOAD="1")
+    assert c.status == "fail" and c.found == "none" and "PLE_OFFLOAD=0" in c.fix  # not a Gemma 3n checkpoint
+    small = 2048 * 4096 * 2
+    safetensors_header(ckpt / "model.safetensors", {"model.embed_tokens_per_layer.weight": ("BF16", [2048, 4096],
+                                                                                             small)})
+    c = check(PLE_OFFLOAD="1")
+    assert c.status == "pass" and "0.02 GiB of RAM available for model.embed_tokens_per_layer.weight" in c.expected
+    huge = int(psutil.virtual_memory().total * 4)
+    safetensors_header(ckpt / "model.safetensors", {"model.language_model.embed_tokens_per_layer.weight":
+                                                    ("BF16", [262144, huge // 262144 // 2], huge)})
+    c = check(PLE_OFFLOAD="1")
+    assert c.status == "fail" and f"{huge / 2**30:.2f} GiB" in c.expected and "GiB" in c.found, c
+    assert by_name(box.series_checks(config.serve_settings({"PROFILE": "demo-ple"}), ckpt))["PLE offload"].status \
+        == "fail"  # the profile turns it on
+
+
+def test_ple_home_must_be_a_card_the_engine_gets():
+    from rig import ple
+    from rig.errors import BadInput
+
+    ple.check_home(2, (2, 3), "cuda")
+    ple.check_home(0, (), "cpu")
+    with pytest.raises(BadInput) as e:
+        ple.check_home(5, (2, 3), "cuda")
+    assert "PLE_HOME: expected one of the cards the engine gets, CUDA_VISIBLE_DEVICES=2,3, found 5" in str(e.value)
+    with pytest.raises(BadInput) as e:
+        ple.check_home(1, (), "cpu")
+    assert "PLE_HOME: expected 0 on the CPU build" in str(e.value)

@@ -255,6 +255,13 @@ def test_first_start_builds_first(rig_env, tmp_path):
     assert not Path(env["DOUBLE_RECORD"]).exists()
 
 
+def test_a_ple_home_outside_the_engines_cards_exits_2(rig_env):
+    r = start({**rig_env, "PLE_OFFLOAD": "1", "PLE_HOME": "7"})
+    assert r.code == 2, r.text
+    assert "PLE_HOME: expected one of the cards the engine gets, CUDA_VISIBLE_DEVICES=" in r.err and "found 7" in r.err
+    assert not Path(rig_env["DOUBLE_RECORD"]).exists()
+
+
 def test_unwritable_log_is_bad_input(rig_env, tmp_path):
     (tmp_path / "a-file").write_text("")  # a folder that is a file: no user, root included, can log there
     r = start({**rig_env, "LOG": str(tmp_path / "a-file" / "vllm.log")})
@@ -269,6 +276,7 @@ def test_unwritable_log_is_bad_input(rig_env, tmp_path):
     ("PORT", "eighty", "PORT: expected a port number from 1 to 65535, found 'eighty'"),
     ("COUNTERS", "yes", "COUNTERS: expected 0 or 1"),
     ("PLE_HOME", "first", "PLE_HOME: expected a card index"),
+    ("PLE_OFFLOAD", "yes", "PLE_OFFLOAD: expected 0 or 1"),
 ])
 def test_bad_serve_variables_exit_2(rig_env, name, value, want):
     r = start({**rig_env, name: value})

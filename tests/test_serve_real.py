@@ -23,6 +23,7 @@ import pytest
 from conftest import engine_like
 
 from rig import demo
+from rig.engine import SERIES_VARS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -227,16 +228,16 @@ def test_guard_warn_counts_logs_once_per_kind_and_lets_upstream_answer(served):
 
 # -- the series' switches unset, and abliteration: in-process engines built from the rig's own command ----------
 
-SERIES_VARS = ("PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS", "SCALES")
 
 
-def demo_command(dest: Path, env: dict) -> tuple[list[str], dict[str, str]]:
+def demo_command(dest: Path, env: dict, *start: str) -> tuple[list[str], dict[str, str]]:
     """The engine arguments after the checkpoint and the environment the rig gives the demo (``--dry-run``'s
-    command and environment lines), less the API server's own flags."""
+    command and environment lines), less the API server's own flags. ``start``: start.sh's arguments instead of
+    ``--demo`` (the profile then comes from ``env``)."""
     import shlex
 
-    r = subprocess.run([str(dest / "start.sh"), "--demo", "--dry-run"], cwd=dest, env={**env, "PORT": str(free_port())},
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(dest / "start.sh"), *(start or ("--demo",)), "--dry-run"], cwd=dest,
+                       env={**env, "PORT": str(free_port())}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln.strip() for ln in r.stdout.splitlines()]
     argv = shlex.split(next(ln for ln in lines if ln.startswith("command: "))[len("command: "):])

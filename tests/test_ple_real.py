@@ -1,0 +1,159 @@
+"""The PLE offload (patch 0007) on the real engine, CPU build: the demo-ple profile's tiny Gemma 3n, whose
+per-layer-embedding table the engine's ``VLLM::PLEServer`` child holds in host RAM.
+
+One engine served by the rig (its own state folder beside the demo's engine) for the child, its log line and
+its death; in-process engines (tests/greedy_probe.py) on the rig's own command for the outputs with the offload
+on and off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import engine_like
+from test_serve_real import (
+    KEY,
+    bare_env,
+    completion,
+    demo_command,
+    free_port,
+    in_group,
+    nox,
+    os_pgid,
+    tomllib_load,
+)
+
+from rig.engine import SERIES_VARS
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.ple]
+
+CHILD = "VLLM::PLEServer"
+TABLE_LINE = "PLE offload: table model.embed_tokens_per_layer.weight: 2048 x 4096 BF16, 0.016 GiB in host RAM"
+
+
+def ple_env(dest: Path, d: Path, **extra: str) -> dict[str, str]:
+    """The demo-ple profile on the CPU build, as a bare user, with its own state folder and port."""
+    (d / "home").mkdir(exist_ok=True)
+    return bare_env(d / "home", PROFILE="demo-ple", DEVICE="cpu", RIG_STATE=str(d / "state"),
+                    LOG=str(d / "vllm.log"), PORT=str(free_port()), VLLM_API_KEY=KEY, START_TIMEOUT="900", **extra)
+
+
+@pytest.fixture(scope="module")
+def ple_served(fresh, tmp_path_factory):
+    """``PROFILE=demo-ple ./start.sh``: the CPU build (made by the demo's tests or here), the Gemma 3n made on
+    the box, the offload on (the profile's default)."""
+    dest, cuda, _ = fresh
+    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
+    d = tmp_path_factory.mktemp("ple")
+    env = ple_env(dest, d)
+    t0 = time.monotonic()
+    r = subprocess.run([str(dest / "start.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=1800)
+    took = time.monotonic() - t0
+    yield dest, d, env, r, took
+    nox(dest, env, "-s", "stop")
+
+
+def engine_group(env: dict) -> int:
+    return tomllib_load(Path(env["RIG_STATE"]) / "engine.toml")["pgid"]
+
+
+def the_child(pgid: int) -> list[psutil.Process]:
+    return [p for p in in_group(pgid) if CHILD in " ".join(p.info["cmdline"] or [])]
+
+
+def test_the_engine_serves_with_the_table_held_by_its_child(ple_served):
+    dest, d, env, r, took = ple_served
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "profile: demo-ple" in r.stdout and "demo model: " in r.stdout, r.stdout[-3000:]
+    code, text = completion(env, {"model": "demo-ple", "prompt": "hello there", "max_tokens": 8})
+    assert code == 200, text
+    child = the_child(engine_group(env))
+    assert len(child) == 1, [p.info["cmdline"] for p in in_group(engine_group(env))]
+    log = Path(env["LOG"]).read_text(errors="replace")
+    assert f"(PLEServer pid={child[0].pid}) INFO {TABLE_LINE}" in log, log[-3000:]
+    assert f"PLE offload: child {CHILD} is pid {child[0].pid}" in log, log[-3000:]
+    # The engine core reads the rows from the child's memory: it maps the child's memfd, it holds no copy
+    core = [p for p in in_group(engine_group(env)) if "EngineCore" in " ".join(p.info["cmdline"] or [])]
+    maps = Path(f"/proc/{core[0].pid}/maps").read_text()
+    assert "/memfd:vllm-ple-table" in maps, "the engine core does not map the child's table"
+    print(f"\ndemo-ple with the offload: {took:.0f} s to healthy (the Gemma 3n made on the box included)")
+
+
+def test_a_ple_home_the_engine_does_not_have_exits_2_before_anything_starts(ple_served, tmp_path):
+    dest, _, _, _, _ = ple_served
+    env = ple_env(dest, tmp_path, PLE_HOME="3")
+    r = subprocess.run([str(dest / "start.sh"), "--no-build"], cwd=dest, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "error: PLE_HOME: expected 0 on the CPU build" in r.stderr and "found 3" in r.stderr, r.stderr
+    assert not (tmp_path / "state" / "engine.toml").exists()
+
+
+def test_the_outputs_are_the_same_with_the_offload_on_and_off_and_the_rows_are_the_tables(ple_served, tmp_path):
+    """Greedy tokens and top-5 logprobs of in-process engines on the rig's own command: the table offloaded
+    equals the table on the engine's own device, number for number; the rows the model looks up are the
+    checkpoint's; and a checkpoint whose table differs gives other outputs (the table is read at all)."""
+    dest, d, env, _, _ = ple_served
+    args, engine_env = demo_command(dest, {**env, "RIG_STATE": str(tmp_path / "state")}, "--no-build")
+    base = {**{k: v for k, v in env.items() if k not in SERIES_VARS},
+            **{k: v for k, v in engine_env.items() if k not in SERIES_VARS}}
+    ckpt = Path(env["RIG_CACHE"]) / "models" / "demo-ple"
+    probe = str(Path(__file__).with_name("greedy_probe.py"))
+    ids = "0,7,2047"
+    python = str(dest / ".venv-cpu" / "bin" / "python")
+
+    def run(name: str, model: Path, **extra: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        p = subprocess.run([python, probe, str(out), str(model), *args], cwd=tmp_path,
+                           env={**base, "PROBE_PLE_ROWS": ids, **extra}, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        return {**json.loads(out.read_text()), "log": p.stdout + p.stderr}
+
+    on, off = run("on", ckpt, PLE_OFFLOAD="1"), run("off", ckpt, PLE_OFFLOAD="0")
+    assert TABLE_LINE in on["log"] and CHILD not in off["log"]
+    assert on["tokens"] == off["tokens"] and on["logprobs"] == off["logprobs"]
+    table = subprocess.run([python, "-c", "import sys, json; from safetensors import safe_open; "
+                            "t = safe_open(sys.argv[1], 'pt').get_tensor('model.embed_tokens_per_layer.weight'); "
+                            "print(json.dumps(t[[int(i) for i in sys.argv[2].split(',')]].float().tolist()))",
+                            str(ckpt / "model.safetensors"), ids], capture_output=True, text=True, check=True)
+    want = json.loads(table.stdout)
+    for got in (on["ple_rows"], off["ple_rows"]):
+        worst = max(abs(a - b) / max(abs(b), 1e-3) for ga, wa in zip(got, want, strict=True)
+                    for a, b in zip(ga, wa, strict=True))
+        assert worst < 1e-2, worst  # the checkpoint's rows (bf16, scaled and unscaled again)
+    other = tmp_path / "other-table"
+    subprocess.run([python, "-c", "import sys, shutil; from safetensors.torch import load_file, save_file; "
+                    "shutil.copytree(sys.argv[1], sys.argv[2]); w = load_file(sys.argv[1] + '/model.safetensors'); "
+                    "w['model.embed_tokens_per_layer.weight'] = w['model.embed_tokens_per_layer.weight'].flip(0); "
+                    "save_file(w, sys.argv[2] + '/model.safetensors', metadata={'format': 'pt'})",
+                    str(ckpt), str(other)], check=True)
+    flipped = run("other", other, PLE_OFFLOAD="1")
+    assert flipped["tokens"] != on["tokens"], "a different table gave the same outputs: the table is not read"
+
+
+def test_kill_9_of_the_child_stops_the_engine_with_its_line_and_stop_leaves_nothing(ple_served):
+    dest, d, env, r, _ = ple_served
+    assert r.returncode == 0
+    pgid = engine_group(env)
+    (child,) = the_child(pgid)
+    os.kill(child.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while [p for p in in_group(pgid) if "serve" in " ".join(p.info["cmdline"] or [])] \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = Path(env["LOG"]).read_text(errors="replace")
+    assert f"PLE offload: the child {CHILD} (pid {child.pid}) ended with exit -9 while serving; the engine stops" \
+        in log, log[-4000:]
+    assert not [p for p in in_group(pgid) if "serve" in " ".join(p.info["cmdline"] or [])], "the engine did not stop"
+    s = nox(dest, env, "-s", "stop")
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert not in_group(pgid) and not engine_like(lambda p, cmd: os_pgid(p.pid) == pgid)
+    assert not [p for p in engine_like(lambda p, cmd: False) if CHILD in (p.info["name"] or "")]
+    assert not (Path(env["RIG_STATE"]) / "run").exists()
