@@ -81,7 +81,7 @@ def make(out: Path, kind: str = "qwen3") -> None:
     tokens = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
               "pad_token_id": ids["<|endoftext|>"]}
     if kind == "gemma3n":
-        from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+        from transformers import Gemma3nForCausalLM, Gemma3nTextConfig  # the serving venv's, as above
 
         cfg = Gemma3nTextConfig(vocab_size=VOCAB, tie_word_embeddings=True, **tokens, **PLE_SHAPE)
         cfg.architectures = ["Gemma3nForCausalLM"]
@@ -91,7 +91,7 @@ def make(out: Path, kind: str = "qwen3") -> None:
                 layer.altup.correct_output_scale.normal_(1.0, 0.1)
         model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
     else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from transformers import Qwen3Config, Qwen3ForCausalLM  # the serving venv's, as above
 
         cfg = Qwen3Config(vocab_size=VOCAB, rope_theta=1_000_000.0, tie_word_embeddings=True,
                           torch_dtype="bfloat16", **tokens, **SHAPE)
