@@ -208,8 +208,8 @@ def abliteration(v: Var, env: Mapping[str, str], root: Path) -> str:
 
 
 def ple_offload(v: Var, env: Mapping[str, str], root: Path) -> bool:
-    """PLE_OFFLOAD: set, 0 or 1; unset, the profile's ``ple_offload``."""
-    raw = env[v.name].strip() if v.name in env else ("1" if _profile(env).ple_offload else "0")
+    """PLE_OFFLOAD: 0 or 1; unset or empty (the environment file's line as written), the profile's ``ple_offload``."""
+    raw = env.get(v.name, "").strip() or ("1" if _profile(env).ple_offload else "0")
     if raw not in ("0", "1"):
         raise BadInput(problem(v.name, "0 or 1", repr(raw), f"set {v.name}=0 or {v.name}=1, or unset it for the "
                                "profile's default"))
