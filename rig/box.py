@@ -287,11 +287,12 @@ def ple_check(v: Serve, ckpt: Path) -> list[Check]:
 
 def series_checks(v: Serve, ckpt: Path) -> list[Check]:
     """The files the series' switches name, there before the engine loads (it checks their contents)."""
+    out = ple_check(v, ckpt)
     file = abliteration_file(v)
     if file is None:
-        return ple_check(v, ckpt)
+        return out
     ok = file.is_file()
-    return ple_check(v, ckpt) + [
+    return out + [
         Check("abliteration", "pass" if ok else "fail",
               f"the direction set QWEN38_ABLITERATION={v.abliteration} at {file}", "present" if ok else "no such file",
               "put the direction set there (ABLITERATION_DIR is the folder), or set QWEN38_ABLITERATION= (empty) to "

@@ -17,7 +17,6 @@ from rig.errors import BadInput, problem
 
 #: The table's name in a Gemma 3n checkpoint ends so (the patch looks for the same).
 TABLE = "embed_tokens_per_layer.weight"
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "I8": 1, "U8": 1}
 
 
 def _files(ckpt: Path) -> list[Path]:
