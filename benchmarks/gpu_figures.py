@@ -100,9 +100,9 @@ def bare_start(env: dict, log: Path) -> tuple[subprocess.Popen, float]:
         time.sleep(0.5)
 
 
-def decode(env: dict, concurrency: int, tokens: int = 256, rounds: int = 3) -> float:
+def decode(env: dict, concurrency: int, tokens: int = 256, rounds: int = 3, model: str = "demo") -> float:
     """Generated tokens per second over ``concurrency`` parallel requests of ``tokens`` each (median of rounds)."""
-    body = json.dumps({"model": "demo", "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True,
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True,
                        "temperature": 0}).encode()
     headers = {"Content-Type": "application/json"}
     if env.get("VLLM_API_KEY"):

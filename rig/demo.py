@@ -5,7 +5,8 @@ Tiny checkpoints the rig makes on the box, so the whole serve path runs anywhere
 * ``qwen3`` (profiles demo, demo-gpu): 2 layers, hidden 256, 4 heads of size 64 (a head size vLLM's CPU
   attention supports), with the FP8 KV scales sidecar;
 * ``gemma3n`` (profile demo-ple): a Gemma 3n text model, 4 layers, hidden 128, whose per-layer-embedding table
-  (2048 x 4 x 1024) is three quarters of its weights, for the PLE offload (patch 0007).
+  (2048 x 4 x 1024) is three quarters of its weights, for the PLE offload (patch 0007); ``gemma3n-gpu``
+  (profile demo-ple-gpu) the same with a 262144-row table (2 GiB).
 
 Random weights (seeded), a byte-level BPE tokenizer trained with ``tokenizers`` on the prose rig/prose.py
 generates, and a ChatML chat template. Made with the serving venv's own ``transformers``, ``tokenizers`` and
@@ -47,9 +48,12 @@ PLE_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 
              "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 1024, "num_kv_shared_layers": 2,
              "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 512, "laurel_rank": 16,
              "activation_sparsity_pattern": [0.0] * 4}
-SHAPES = {"qwen3": SHAPE, "gemma3n": PLE_SHAPE}
+#: The same model for the card, with Gemma's own per-layer vocabulary (262144 rows: a 2 GiB table, nearly all
+#: its weights), so the card memory the offload frees stands far above the card's own noise.
+PLE_GPU_SHAPE = {**PLE_SHAPE, "vocab_size_per_layer_input": 262144}
+SHAPES = {"qwen3": SHAPE, "gemma3n": PLE_SHAPE, "gemma3n-gpu": PLE_GPU_SHAPE}
 #: The profiles whose checkpoint the rig makes, and which model each is.
-MADE = {"demo": "qwen3", "demo-gpu": "qwen3", "demo-ple": "gemma3n"}
+MADE = {"demo": "qwen3", "demo-gpu": "qwen3", "demo-ple": "gemma3n", "demo-ple-gpu": "gemma3n-gpu"}
 #: The demo's profile for each build: ``./start.sh --demo`` picks the one of the build it serves with.
 PROFILES = {"cpu": "demo", "cuda": "demo-gpu"}
 MARK = ".rig-demo.json"  # written last: a folder without it is not trusted
@@ -80,10 +84,10 @@ def make(out: Path, kind: str = "qwen3") -> None:
     torch.manual_seed(SEED)
     tokens = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
               "pad_token_id": ids["<|endoftext|>"]}
-    if kind == "gemma3n":
+    if kind.startswith("gemma3n"):
         from transformers import Gemma3nForCausalLM, Gemma3nTextConfig  # the serving venv's, as above
 
-        cfg = Gemma3nTextConfig(vocab_size=VOCAB, tie_word_embeddings=True, **tokens, **PLE_SHAPE)
+        cfg = Gemma3nTextConfig(vocab_size=VOCAB, tie_word_embeddings=True, **tokens, **SHAPES[kind])
         cfg.architectures = ["Gemma3nForCausalLM"]
         model = Gemma3nForCausalLM(cfg)
         with torch.no_grad():  # initialised to zero, it would scale away everything the per-layer path adds

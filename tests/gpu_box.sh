@@ -2,6 +2,8 @@
 # docs/gpu.md's run on a GPU box with no network: the host's torch, the offline bundle, then the GPU checks.
 #   tests/gpu_box.sh BUNDLE figures            build from the bundle (timed), then benchmarks/gpu_figures.py
 #   tests/gpu_box.sh BUNDLE tests [PYTEST...]  the GPU tests (tests/test_gpu.py, tests/test_gpu_serve.py)
+#   tests/gpu_box.sh BUNDLE ple [PYTEST...]    the PLE offload on the card (tests/test_ple_gpu.py, which runs
+#                                              benchmarks/ple_offload.py and prints its figures)
 # PYTHON (default: python3) is the interpreter whose torch the rig stands on; its pytest runs the tests.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,5 +13,6 @@ cd "$root"
 case "${2:-}" in
   figures) exec "$PYTHON" benchmarks/gpu_figures.py --build --out "${FIGURES_OUT:-/tmp/gpu-figures.json}" ;;
   tests) shift 2; exec "$PYTHON" -m pytest -p no:cacheprovider -s -v tests/test_gpu.py tests/test_gpu_serve.py "$@" ;;
-  *) echo "usage: tests/gpu_box.sh BUNDLE figures|tests [pytest arguments]" >&2; exit 2 ;;
+  ple) shift 2; exec "$PYTHON" -m pytest -p no:cacheprovider -s -v tests/test_ple_gpu.py "$@" ;;
+  *) echo "usage: tests/gpu_box.sh BUNDLE figures|tests|ple [pytest arguments]" >&2; exit 2 ;;
 esac
