@@ -14,7 +14,9 @@ KV cache size) through the rig twice, PLE_OFFLOAD=1 then 0, and prints each figu
     once), on minus off, against the table's size;
 (c) decode tokens/s with the offload on against off, at concurrency 1 and 4 (256 tokens a request, the median
     of 3 rounds; --quick: 1);
-(d) greedy completions of fixed prompts (16 tokens, top-5 logprobs): how many are identical on and off.
+(d) greedy completions of fixed prompts (16 tokens, top-5 logprobs): how many have the same tokens on and off,
+    and the largest logprob difference, against that of a third start with the offload off (the card's own
+    run-to-run difference: torch.compile picks kernels by timing them).
 With ``--out`` it also writes what it saw (outputs, memory, the child's pid, whether NVML lists it, whether it
 maps the CUDA driver) as JSON: tests/test_ple_gpu.py asserts on that file.
 """
@@ -87,9 +89,36 @@ def greedy(env: dict) -> list[dict]:
     return out
 
 
-def measure(env: dict, work: Path, offload: str, rounds: int) -> dict:
-    """One start with PLE_OFFLOAD=``offload``: what the engine holds, its outputs and its decode rates."""
-    env = {**env, "PLE_OFFLOAD": offload, "LOG": str(work / f"vllm-{offload}.log")}
+def table_resident_mib(pid: int) -> float:
+    """The child's memfd table as resident in RAM (its pages, whoever maps them): 0 when it holds none."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith("/memfd:vllm-ple-table"):
+                return os.stat(fd).st_blocks * 512 / 2**20
+        except OSError:
+            continue
+    return 0.0
+
+
+def largest_difference(a: list[dict], b: list[dict]) -> float:
+    """The largest difference between two runs' logprobs, chosen tokens' and top-5 alike (inf where the tokens or
+    the top-5 sets differ)."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x["tokens"] != y["tokens"]:
+            return float("inf")
+        worst = max([worst, *(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True))])
+        for tx, ty in zip(x["top"], y["top"], strict=True):
+            if set(tx) != set(ty):
+                return float("inf")
+            worst = max([worst, *(abs(tx[k] - ty[k]) for k in tx)])
+    return worst
+
+
+def measure(env: dict, work: Path, offload: str, rounds: int, name: str) -> dict:
+    """One start with PLE_OFFLOAD=``offload``: what the engine holds, its outputs and (rounds > 0) its decode
+    rates."""
+    env = {**env, "PLE_OFFLOAD": offload, "LOG": str(work / f"vllm-{name}.log")}
     card_free()
     took = timed_run([str(ROOT / "start.sh")], env, work / "run.log")
     try:
@@ -103,8 +132,8 @@ def measure(env: dict, work: Path, offload: str, rounds: int) -> dict:
             c = child[0]
             maps = Path(f"/proc/{c.pid}/maps").read_text()
             rec["child"] = {"pid": c.pid, "in_nvml": c.pid in held, "maps_libcuda": "libcuda" in maps,
-                            "rss_mib": c.memory_info().rss / 2**20}
-        rec["decode"] = {c: decode(env, c, rounds=rounds, model=MODEL) for c in (1, 4)}
+                            "rss_mib": c.memory_info().rss / 2**20, "table_mib": table_resident_mib(c.pid)}
+        rec["decode"] = {c: decode(env, c, rounds=rounds, model=MODEL) for c in (1, 4)} if rounds else {}
         rec["log"] = Path(env["LOG"]).read_text(errors="replace")[-200_000:]
     finally:
         timed_run([str(ROOT / "scripts" / "nox.sh"), "-s", "stop"], env, work / "run.log")
@@ -123,11 +152,14 @@ def main() -> int:
            "RIG_STATE": os.environ.get("RIG_STATE", str(ROOT / ".rig")),
            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
     rounds = 1 if a.quick else 3
-    on = measure(env, work, "1", rounds)
-    off = measure(env, work, "0", rounds)
+    on = measure(env, work, "1", rounds, "on")
+    off = measure(env, work, "0", rounds, "off")
+    again = measure(env, work, "0", 0, "off-again")  # the card's own run-to-run noise, for (d)
     name, nbytes = ple.table_bytes(settings(env).ckpt) or ("none", 0)
     table = nbytes / 2**20
-    same = sum(x == y for x, y in zip(on["outputs"], off["outputs"], strict=True))
+    same = sum(x["tokens"] == y["tokens"] for x, y in zip(on["outputs"], off["outputs"], strict=True))
+    diff, noise = largest_difference(on["outputs"], off["outputs"]), largest_difference(off["outputs"],
+                                                                                       again["outputs"])
     card, host = off["card_mib"] - on["card_mib"], on["host_pss_mib"] - off["host_pss_mib"]
     print(f"(a) card memory of the engine (NVML): offload on {on['card_mib']:,} MiB, off {off['card_mib']:,} MiB; "
           f"off - on = {card:,} MiB against the table's {table:,.0f} MiB: {card / table:.2f}x (target 1.00x)")
@@ -137,12 +169,15 @@ def main() -> int:
     for c in (1, 4):
         print(f"(c) decode at concurrency {c}: offload on {on['decode'][c]:.0f} tok/s, off {off['decode'][c]:.0f} "
               f"tok/s: {on['decode'][c] / off['decode'][c]:.2f}x")
-    print(f"(d) greedy completions identical on and off: {same} of {len(PROMPTS)} ({same / len(PROMPTS):.2f}x)")
+    print(f"(d) greedy completions, tokens identical on and off: {same} of {len(PROMPTS)} "
+          f"({same / len(PROMPTS):.2f}x); the largest logprob difference on against off {diff:.1e}, off against "
+          f"off again {noise:.1e}")
     child = on["child"] or {}
     print(f"    the child {CHILD}: pid {child.get('pid')}, in NVML's process list: {child.get('in_nvml')}, maps the "
           f"CUDA driver: {child.get('maps_libcuda')}; starts {on['start_s']:.0f} s (on), {off['start_s']:.0f} s (off)")
     if a.out:
-        a.out.write_text(json.dumps({"table": {"name": name, "bytes": nbytes}, "on": on, "off": off}, indent=1))
+        a.out.write_text(json.dumps({"table": {"name": name, "bytes": nbytes}, "on": on, "off": off,
+                                     "off_again": again, "difference": diff, "noise": noise}, indent=1))
     return 0
 
 

@@ -76,7 +76,7 @@ BENCHMARKS = {
     "ple_offload.py": Bench((rf"^\(a\) card memory of the engine \(NVML\): .*: {X} \(target 1.00x\)",
                              rf"^\(b\) host memory of the engine's processes \(PSS\): .*: {X}",
                              rf"^\(c\) decode at concurrency 4: .*: {X}",
-                             rf"^\(d\) greedy completions identical on and off: 4 of 4 \({X}\)"), "gpu",
+                             rf"^\(d\) greedy completions, tokens identical on and off: 4 of 4 \({X}\)"), "gpu",
                             timeout=2400, marks=(pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(),
                                                                                   reason="no NVIDIA driver here"))),
     "soak.py": Bench((rf"^\| api \| 1 \| 1 \| [\d.]+ s / [\d.]+ s \| {X} \| \d+ \|$",

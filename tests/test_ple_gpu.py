@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(), reason=
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ple") / "ple.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ple_offload.py"), "--quick", "--out", str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ple_offload.py"), "--out", str(out)],
                        cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=2400)
     print("\n" + r.stdout)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -36,9 +36,13 @@ def seen(tmp_path_factory) -> dict:
 
 
 def test_the_outputs_are_the_same_with_the_table_in_host_ram_and_on_the_card(seen):
+    """Tokens and top-5 sets identical; logprobs within the card's own noise between two starts of the same
+    engine (torch.compile times candidate kernels at each cold start, so a logprob may move by 1e-5), where a
+    wrong row of the table moves them by whole tenths."""
     on, off = seen["on"]["outputs"], seen["off"]["outputs"]
     assert all(o["tokens"] for o in on)
-    assert on == off  # tokens, their logprobs and the top-5 logprobs, number for number
+    assert [o["tokens"] for o in on] == [o["tokens"] for o in off]
+    assert seen["difference"] <= max(1e-4, 2 * seen["noise"]), (seen["difference"], seen["noise"])
 
 
 def test_the_card_holds_less_by_the_tables_size(seen):
@@ -52,7 +56,7 @@ def test_the_child_holds_the_table_and_has_no_cuda_context(seen):
     child = seen["on"]["child"]
     assert child is not None, "no VLLM::PLEServer in the engine's group with the offload on"
     assert not child["in_nvml"] and not child["maps_libcuda"], child
-    assert child["rss_mib"] >= 0.95 * seen["table"]["bytes"] / 2**20, child  # the memfd's pages are its own
+    assert child["table_mib"] >= 0.99 * seen["table"]["bytes"] / 2**20, child  # its memfd, resident
     assert seen["off"]["child"] is None
     log = seen["on"]["log"]
     assert f"(PLEServer pid={child['pid']}) INFO PLE offload: table model.embed_tokens_per_layer.weight: " \
