@@ -157,10 +157,11 @@ VARS: tuple[Var, ...] = (
         seconds, "stats_interval", "serve", service=True),
     Var("PLE_OFFLOAD", "the profile's `ple_offload` (none sets it: 0)",
         "`1`: the per-layer-embedding table of a Gemma 3n model stays in host RAM (patch 0007): one child of the "
-        "engine, `VLLM::PLEServer`, holds it and the workers copy each batch's rows to the card. The box check "
-        "needs the table's size free in RAM.", ple_offload, "ple_offload", "serve", derived=True, service=True),
-    Var("PLE_HOME", "0", "The card whose worker receives the PLE offload's rows (tensor parallel: it broadcasts them "
-        "to the others); one of `CUDA_VISIBLE_DEVICES`.", index, "ple_home", "serve", service=True),
+        "engine, `VLLM::PLEServer`, holds it and the card reads each batch's rows from there (page-locked, no "
+        "copy). The box check needs the table's size free in RAM.", ple_offload, "ple_offload", "serve",
+        derived=True, service=True),
+    Var("PLE_HOME", "0", "The card whose worker reads the PLE offload's rows (tensor parallel: it broadcasts them to "
+        "the others); one of `CUDA_VISIBLE_DEVICES`.", index, "ple_home", "serve", service=True),
     Var("QWEN38_ABLITERATION", "the profile's `abliteration` (none names one: off)",
         "Refusal-direction removal (patch 0005): the direction set `$ABLITERATION_DIR/<name>.safetensors` (one "
         "vector, or one per layer) is removed from the residual stream by orthogonalising the weights at load; "
