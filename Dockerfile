@@ -12,6 +12,10 @@
 # Both download vLLM v0.30.0 and the hash-pinned wheels, so the build needs the network. docker-compose.yml
 # passes the `ops`, `uvcache` and `pipcache` contexts itself.
 
+# The base: Debian 13 (trixie). `nox -s image` passes another where the builder has no route to a registry (the
+# same trixie, made with debootstrap); a base must be trixie or newer (see below).
+ARG BASE_IMAGE=debian:trixie-slim
+
 # The named contexts default to these empty stages; `--build-context NAME=DIR` replaces a stage of its name.
 FROM scratch AS ops
 FROM scratch AS uvcache
@@ -22,12 +26,12 @@ FROM scratch AS pipcache
 # (or was emptied) reuses the old route-1 layer, old kernels and all. It copies the `ops` context (the stage is
 # thrown away) and keeps its manifest and sha256 list, which name the tarball; copied in before route 1, that
 # file changes whenever the kernels do. An empty context gives an empty key: route 2.
-FROM debian:trixie-slim AS opskey
+FROM ${BASE_IMAGE} AS opskey
 COPY --from=ops . /ops/
 RUN { cat /ops/manifest.toml /ops/ops.sha256 2>/dev/null || true; } > /ops.key
 
 # Debian 13 (trixie): kernels built on Debian 13 need glibc 2.38, and bookworm's 2.36 cannot load them.
-FROM debian:trixie-slim
+FROM ${BASE_IMAGE}
 
 # Compile jobs of route 2; lower it when the compile runs out of RAM.
 ARG MAX_JOBS=32

@@ -112,6 +112,12 @@ def ray(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def image(session: nox.Session) -> None:
+    """Build the image from artifacts/ with docker buildx, podman or buildah; record its size and build time."""
+    _rig(session, "image")
+
+
+@nox.session(**WORK)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned runtime lock (scripts/runtime.lock) with uv."""
     _rig(session, "lock")

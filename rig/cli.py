@@ -136,6 +136,15 @@ def _verify(a: Args) -> int:
     return _use("steps.pack").check_artifacts(config.settings(), a.artifacts, a.dest)
 
 
+def _image_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="print the plan (builder, base, secret, the build command) "
+                   "and stop")
+
+
+def _image(a: Args) -> int:
+    return _use("image").run(config.settings(), config.image_settings(), a.dry_run)
+
+
 def _lock_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", action="store_true", help="only scripts/ray.lock (Ray for DIST_BACKEND=ray)")
 
@@ -283,6 +292,10 @@ COMMANDS: dict[str, Command] = {
     "verify": Command("nox -s verify --", "Check ARTIFACTS_DIR (or --artifacts) against this box's target (OPS_OBJ, "
                       "architecture, CPython, CUDA, torch) by the same check the container build runs; installs "
                       "into --dest, or a scratch folder.", _verify, _verify_arguments),
+    "image": Command("nox -s image --", "Build the rig's image from the kernels ./build.sh packed (the Dockerfile's "
+                     "route 1) with the builder this box has (docker buildx, podman or buildah), on a base it can "
+                     "get (debootstrap when no registry answers); records its size and build time.", _image,
+                     _image_arguments),
     "lock": Command("nox -s lock --", "Regenerate RUNTIME_LOCK with uv pip compile --generate-hashes from the "
                     "official wheel's requirements (needs the network); scripts/ray.lock with it.", _lock,
                     _lock_arguments),

@@ -223,10 +223,17 @@ VARS: tuple[Var, ...] = (
         "the network (Docker's publishing bypasses the host firewall).", group="compose"),
     Var("CACHE_HOST_DIR", ".vllm-cache", "Container: the host folder mounted as the compile cache at `/cache`.",
         group="compose"),
-    Var("HOST_CA_FILE", "/etc/ssl/certs/ca-certificates.crt", "Image build: the host's CA store, passed to the "
-        "build as the secret `host_ca` (mounted for the steps that download, never copied into the image), so a "
-        "TLS-inspecting proxy's CA is trusted there; on RHEL-like hosts `/etc/pki/tls/certs/ca-bundle.crt`.",
-        group="compose"),
+    Var("HOST_CA_FILE", "/etc/ssl/certs/ca-certificates.crt", "Image build (`nox -s image` and compose): the host's "
+        "CA store, passed to the build as the secret `host_ca` (mounted for the steps that download, never copied "
+        "into the image), so a TLS-inspecting proxy's CA is trusted there; on RHEL-like hosts "
+        "`/etc/pki/tls/certs/ca-bundle.crt`.", path, "host_ca_file", "image"),
+    Var("BUILDER", "auto", "`nox -s image`: the image builder; `auto` takes the first that can build: `docker` "
+        "(buildx, a daemon that answers), `podman`, `buildah`.", choice("auto", "docker", "podman", "buildah"),
+        "builder", "image"),
+    Var("BASE_IMAGE", "debian:trixie-slim", "`nox -s image`: the image's base. The default, when the builder does "
+        "not hold it and no registry answers, is made with `debootstrap` (Debian trixie, minbase).", text,
+        "base_image", "image"),
+    Var("IMAGE", "vllm:latest", "`nox -s image`: the tag of the image it builds.", text, "tag", "image"),
 )
 
 VAR_NAMES = frozenset(v.name for v in VARS)
@@ -294,6 +301,20 @@ class Settings:
     def record_dir(self) -> Path:
         """Where this build's record lives: its slot, or ``RIG_STATE`` for the checkout's own build."""
         return self.slot_dir or self.state_dir
+
+
+@dataclass(frozen=True)
+class Image:
+    """What ``nox -s image`` builds with (rig/image.py)."""
+
+    builder: str
+    base_image: str
+    tag: str
+    host_ca_file: Path | None
+
+
+def image_settings(env: Mapping[str, str] | None = None) -> Image:
+    return _read(Image, "image", env, None)
 
 
 def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Settings:

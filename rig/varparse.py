@@ -32,7 +32,7 @@ class Var:
     meaning: str
     parse: Parser | None = None
     field: str = ""
-    group: str = "build"  # build | serve | bench | compose (read by docker-compose.yml only)
+    group: str = "build"  # build | serve | bench | image | compose (read by docker-compose.yml only)
     derived: bool = False
     service: bool = False
 

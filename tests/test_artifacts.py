@@ -578,3 +578,20 @@ def test_the_bundles_kernels_are_gzip_that_the_standard_library_verifies(packed,
     with pytest.raises(BadInput) as e:
         bundlewrite.kernels(packed, manifest, tmp_path / "again")
     assert "ops.tar.zst" in e.value.message and "its manifest's" in e.value.message
+
+
+def test_a_product_copied_with_its_mtime_to_the_second_is_current_and_a_touched_one_is_not(tmp_path):
+    """An image layer keeps mtimes to the second (buildah's docker format): the fast check must not call every
+    kernel of the image modified; a file touched to another time still is."""
+    f = tmp_path / "vllm" / "_C.abi3.so"
+    f.parent.mkdir()
+    f.write_bytes(b"kernel")
+    recorded = 1_796_591_351_123_456_789
+    rec = products.Record({}, {"vllm/_C.abi3.so": {"sha256": "", "size": 6, "mtime_ns": recorded}})
+    os.utime(f, ns=(recorded, recorded))
+    assert products.mismatches(tmp_path, rec, rehash=False) == []
+    whole = recorded - recorded % 10**9
+    os.utime(f, ns=(whole, whole))  # as the layer's tar gave it back
+    assert products.mismatches(tmp_path, rec, rehash=False) == []
+    os.utime(f, ns=(whole + 10**9, whole + 10**9))  # another second: changed
+    assert products.mismatches(tmp_path, rec, rehash=False) == ["vllm/_C.abi3.so (modified since the build)"]

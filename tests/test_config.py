@@ -80,7 +80,8 @@ def test_every_variable_the_code_reads_is_in_the_table():
     assert read == config.RIG_VARS
 
 
-@pytest.mark.parametrize("cls,group", [(config.Settings, "build"), (config.Serve, "serve"), (config.Bench, "bench")])
+@pytest.mark.parametrize("cls,group", [(config.Settings, "build"), (config.Serve, "serve"), (config.Bench, "bench"),
+                                       (config.Image, "image")])
 def test_each_setting_is_filled_by_exactly_one_variable(cls, group):
     from dataclasses import fields
 

@@ -26,6 +26,7 @@ from fixture_upstream import FIXTURE_SETUP_PY
 from test_artifacts import FILES, built_tree
 
 from rig import artifacts, config, container, products, profiles, record, supervise, venvs
+from rig import image as rig_image
 from rig.kernels.target import of_build
 from rig.steps import pipeline
 from rig.steps.ops import OpsStep
@@ -190,12 +191,12 @@ def test_buildah_runs_route_1_again_when_the_kernels_change_and_reuses_it_when_t
     assert buildah(tmp_path, "copy", ctr, str(rootfs.parent), "/").returncode == 0
     assert buildah(tmp_path, "commit", "-q", ctr, "localhost/rig-mini").returncode == 0
     text = DOCKERFILE.read_text()
-    stage = text[text.index("FROM debian:trixie-slim AS opskey"):]
-    stage = stage[:stage.index("\nFROM ")].replace("debian:trixie-slim", "localhost/rig-mini")
+    stage = text[text.index("FROM ${BASE_IMAGE} AS opskey"):]
+    stage = stage[:stage.index("\nFROM ")]
     copy = next(line for line in text.splitlines() if line.startswith("COPY --from=opskey "))
     (tmp_path / "ctx").mkdir()
-    (tmp_path / "ctx" / "Dockerfile").write_text(
-        f"FROM scratch AS ops\n{stage}\nFROM localhost/rig-mini\n{copy}\n"
+    (tmp_path / "ctx" / "Dockerfile").write_text(  # the base as nox -s image passes one: BASE_IMAGE
+        f"ARG BASE_IMAGE=debian:trixie-slim\nFROM scratch AS ops\n{stage}\nFROM ${{BASE_IMAGE}}\n{copy}\n"
         "RUN --mount=type=bind,from=ops,target=/ops sh -c 'echo \"route 1 ran: $(cat /ops/manifest.toml)\"'\n")
     ops = tmp_path / "artifacts"
     ops.mkdir()
@@ -203,7 +204,7 @@ def test_buildah_runs_route_1_again_when_the_kernels_change_and_reuses_it_when_t
     def build(context: Path) -> list[str]:
         """What route 1's stand-in printed (nothing when its layer was taken from the cache)."""
         r = buildah(tmp_path, "bud", "--isolation", "chroot", "--layers", "--build-context", f"ops={context}",
-                    "-t", "localhost/rig-key", str(tmp_path / "ctx"))
+                    "--build-arg", "BASE_IMAGE=localhost/rig-mini", "-t", "localhost/rig-key", str(tmp_path / "ctx"))
         assert r.returncode == 0, r.stdout + r.stderr
         return re.findall(r"^route 1 ran: (.*)$", r.stdout, re.M)
 
@@ -223,7 +224,10 @@ def test_dockerfile_base_args_caches_and_command():
     froms = [a for i, a, _ in ins if i == "FROM"]
     assert {"scratch AS ops", "scratch AS uvcache", "scratch AS pipcache"} <= set(froms)
     base = [(a, c) for i, a, c in ins if i == "FROM" and not a.startswith("scratch") and " AS " not in a]
-    assert len(base) == 1 and base[0][0].startswith("debian:trixie")
+    assert base[0][0] == "${BASE_IMAGE}" and len(base) == 1
+    default = next(a for i, a, _ in ins if i == "ARG" and a.startswith("BASE_IMAGE="))
+    assert default.removeprefix("BASE_IMAGE=") == rig_image.DEFAULT_BASE
+    assert rig_image.DEFAULT_BASE.startswith("debian:trixie")
     assert f"{base[0][0]} AS opskey" in froms  # the key stage needs no other image
     assert any("glibc 2.38" in line for line in base[0][1]), "say why trixie where the base is chosen"
     args = [(a, c) for i, a, c in ins if i == "ARG"]
