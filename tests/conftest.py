@@ -265,6 +265,18 @@ def fresh(tmp_path_factory):
     return dest, r, env
 
 
+@pytest.fixture(scope="session")
+def cpu_build(fresh):
+    """The fresh copy's first ``DEVICE=cpu ./build.sh``, beside its CUDA build: made once, by whichever test needs
+    it first (tests/test_real_cpu.py reads what this first build printed; the PLE tests serve on it)."""
+    dest, cuda, env = fresh
+    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
+    cpu_env = {**env, "DEVICE": "cpu"}
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=cpu_env, capture_output=True, text=True,
+                       timeout=3600)
+    return dest, r, cpu_env
+
+
 def checkout_copy(dest: Path) -> Path:
     """The repository's files as a fresh clone has them (tracked and new), no build output: ``dest``."""
     files = git(ROOT, "ls-files", "-co", "--exclude-standard", "-z").split("\0")

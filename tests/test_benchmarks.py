@@ -154,15 +154,12 @@ def leftover_engines(rig: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def cpu_built(fresh) -> tuple[Path, dict[str, str]]:
-    """The fresh copy with its CPU build too: tests/test_real_cpu.py made it before this runs in CI (so this is a
-    no-op), made here when this runs alone."""
-    dest, r, env = fresh
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    c = subprocess.run([str(dest / "build.sh")], cwd=dest, env={**env, "DEVICE": "cpu"}, capture_output=True,
-                       text=True, timeout=3600)
+def cpu_built(cpu_build) -> tuple[Path, dict[str, str]]:
+    """The fresh copy with its CPU build too (conftest's cpu_build: made once, by whichever test needs it first),
+    and the environment without DEVICE, as a user's."""
+    dest, c, env = cpu_build
     assert c.returncode == 0, (c.stdout + c.stderr)[-3000:]
-    return dest, env
+    return dest, {k: v for k, v in env.items() if k != "DEVICE"}
 
 
 def run_alone(cmd: list[str], env: dict[str, str] | None, timeout: float) -> subprocess.CompletedProcess:

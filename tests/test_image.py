@@ -65,6 +65,9 @@ def test_the_route_1_key_is_the_one_the_dockerfiles_key_stage_makes(tmp_path):
     assert f"cat /ops/{artifacts.MANIFEST} /ops/{artifacts.SUMS}" in text
 
 
+TAG = "localhost/rig-test:latest"
+
+
 def nox_image(env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
     r = subprocess.run([str(ROOT / "scripts" / "nox.sh"), "-s", "image"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=3600)
@@ -97,9 +100,19 @@ def test_the_real_image_builds_records_itself_plans_a_start_and_never_keeps_old_
     installs again instead of reusing the old layer."""
     if not (ROOT / "artifacts" / artifacts.MANIFEST).exists():
         pytest.skip("no artifacts/: run ./build.sh first")
-    env = {**os.environ, "IMAGE": "localhost/rig-test:latest", "RIG_STATE": str(tmp_path / "state")}
+    env = {**os.environ, "IMAGE": TAG, "RIG_STATE": str(tmp_path / "state")}
+    try:
+        build_and_check(env, tmp_path)
+    finally:  # the test's image leaves the builder's storage; the cached layers of the base stay
+        for b in rig_image.BUILDERS:
+            if shutil.which(b):
+                subprocess.run([b, "rmi", TAG], capture_output=True)
+
+
+def build_and_check(env: dict[str, str], tmp_path: Path) -> None:
+    """The steps of the test above, whose image it removes whatever happens here."""
     _, rec = nox_image(env)
-    assert rec["tag"] == "localhost/rig-test:latest" and rec["bytes"] > 1e9 and rec["seconds"] > 0
+    assert rec["tag"] == TAG and rec["bytes"] > 1e9 and rec["seconds"] > 0
     assert rec["kernels_key"] == rig_image.kernels_key(ROOT / "artifacts")
     out = start_inside(rec)
     assert "profile: reference" in out and "command: /opt/vllm/.venv/bin/vllm serve" in out, out[-3000:]

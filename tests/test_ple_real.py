@@ -46,15 +46,17 @@ def ple_env(dest: Path, d: Path, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ple_served(fresh, tmp_path_factory):
-    """``PROFILE=demo-ple ./start.sh``: the CPU build (made by the demo's tests or here), the Gemma 3n made on
+def ple_served(cpu_build, tmp_path_factory):
+    """``PROFILE=demo-ple ./start.sh``: the fresh copy's CPU build (conftest's cpu_build), the Gemma 3n made on
     the box, the offload on (the profile's default)."""
-    dest, cuda, _ = fresh
-    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
+    dest, cpu, _ = cpu_build
+    assert cpu.returncode == 0, (cpu.stdout + cpu.stderr)[-3000:]
     d = tmp_path_factory.mktemp("ple")
     env = ple_env(dest, d)
     t0 = time.monotonic()
-    r = subprocess.run([str(dest / "start.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=1800)
+    # --no-build: the build is cpu_build's, recorded in the copy's own state; this engine's state is its own
+    r = subprocess.run([str(dest / "start.sh"), "--no-build"], cwd=dest, env=env, capture_output=True, text=True,
+                       timeout=1800)
     took = time.monotonic() - t0
     yield dest, d, env, r, took
     nox(dest, env, "-s", "stop")

@@ -18,16 +18,6 @@ from rig.kernels.target import of_build
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cpu_build(fresh):
-    dest, cuda, env = fresh
-    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
-    cpu_env = {**env, "DEVICE": "cpu"}
-    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=cpu_env, capture_output=True, text=True,
-                       timeout=3600)
-    return dest, r, cpu_env
-
-
 def test_cpu_build_sits_beside_the_cuda_build(cpu_build):
     dest, r, _ = cpu_build
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
