@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import tempfile
-import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -40,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_figures import card_free, decode, free_port, timed_run  # noqa: E402
 
-from rig import ple  # noqa: E402
+from rig import box, ple, supervise  # noqa: E402
 from rig.config import settings  # noqa: E402
 
 PROFILE = "demo-ple-gpu"
@@ -50,29 +49,16 @@ PROMPTS = ("the river runs to the sea and the", "a town between two hills", "tel
            "one two three four five six")
 
 
-def engine_pids(state: Path) -> list[psutil.Process]:
-    """The processes of the engine's group (its record's pgid)."""
-    pgid = tomllib.loads((state / "engine.toml").read_text())["pgid"]
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getpgid(p.pid) == pgid:
-                out.append(p)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return out
+def engine_processes(env: dict) -> list[psutil.Process]:
+    """The live processes of the engine's group, from the engine's record."""
+    rec = supervise.load(settings(env))
+    assert rec is not None, "the engine left no record"
+    return [psutil.Process(pid) for pid in supervise.group_members(rec.pgid)]
 
 
 def card_mib() -> dict[int, int]:
     """pid -> MiB of card 0 that each compute process holds (NVML)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        return {p.pid: (p.usedGpuMemory or 0) >> 20 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
-    finally:
-        pynvml.nvmlShutdown()
+    return box.read_nvml().gpus[0].mib_by_process()
 
 
 def greedy(env: dict) -> list[dict]:
@@ -122,9 +108,9 @@ def measure(env: dict, work: Path, offload: str, rounds: int, name: str) -> dict
     card_free()
     took = timed_run([str(ROOT / "start.sh")], env, work / "run.log")
     try:
-        procs = engine_pids(Path(env["RIG_STATE"]))
+        procs = engine_processes(env)
         held = card_mib()
-        child = [p for p in procs if CHILD in " ".join(p.info["cmdline"] or [])]
+        child = [p for p in procs if CHILD in " ".join(p.cmdline())]
         rec: dict = {"start_s": took, "card_mib": sum(held.get(p.pid, 0) for p in procs),
                      "host_pss_mib": sum(p.memory_full_info().pss for p in procs) / 2**20,
                      "outputs": greedy(env), "child": None}

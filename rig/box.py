@@ -45,6 +45,10 @@ class Gpu:
     # on some drivers, e.g. under MIG or in a container).
     process_memory: dict[int, int] = field(default_factory=dict)
 
+    def mib_by_process(self) -> dict[int, int]:
+        """pid -> MiB NVML counts to each compute process on this card (0 where the driver does not say)."""
+        return {pid: self.process_memory.get(pid, 0) >> 20 for pid in self.compute_processes}
+
 
 @dataclass
 class Reading:

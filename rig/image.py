@@ -21,7 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -99,7 +99,7 @@ class Plan:
     ops: Path
     key: str  # sha256 of the kernels' manifest and sums: what the image's route-1 layer is keyed by
     tag: str
-    build: list[str] = field(default_factory=list)
+    build: list[str]  # the builder's command line
 
 
 def kernels_key(ops: Path) -> str:

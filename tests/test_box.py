@@ -186,3 +186,10 @@ def test_ple_home_must_be_a_card_the_engine_gets():
     with pytest.raises(BadInput) as e:
         ple.check_home(1, (), "cpu")
     assert "PLE_HOME: expected 0 on the CPU build" in str(e.value)
+
+
+def test_a_cards_memory_by_process_keeps_every_compute_process_and_counts_unknown_as_0():
+    """NVML gives no memory for a process on some drivers (MIG, containers): it is still a process on the card."""
+    g = box.Gpu(0, "card", "0000:01:00.0", 80 << 30, 4 << 30, (9, 0), 5, 5, 16, 16, 700_000,
+                compute_processes=[11, 12], process_memory={11: 3 << 30})
+    assert g.mib_by_process() == {11: 3072, 12: 0}

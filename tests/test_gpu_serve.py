@@ -28,6 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from rig import box  # noqa: E402 - NVML is imported when read_nvml runs
 from rig.cudastub import driver_loadable  # noqa: E402 - standard library only
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(), reason="no NVIDIA driver here")]
@@ -75,14 +76,7 @@ def start(env: dict, *args: str, timeout: float = 1200) -> subprocess.CompletedP
 
 def used_mib() -> dict[int, int]:
     """pid -> MiB of the card each compute process holds, from NVML."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        return {p.pid: (p.usedGpuMemory or 0) >> 20 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
-    finally:
-        pynvml.nvmlShutdown()
+    return box.read_nvml().gpus[0].mib_by_process()
 
 
 def engine_pids(pgid: int) -> list[int]:
