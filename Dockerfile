@@ -41,17 +41,20 @@ ARG ARCH=8.6
 ARG OPS_ROUTE=auto
 # Where the base comes from: the source series.toml records a tree for (git needs an [expected.git] entry).
 ARG VLLM_SOURCE=sdist
+# What the image serves on: cuda (the GPU host), or cpu (the CPU build, its kernels from artifacts-cpu/: the demo
+# anywhere). Every step below reads it as the rig's DEVICE, so the tree, venv and kernels are that build's.
+ARG DEVICE=cuda
 
 SHELL ["/bin/bash", "-eo", "pipefail", "-c"]
 
 # The build tools of step 1 (git, cc/c++, ccache), Python headers for the compile, zstd for the tarball,
-# readelf (binutils) for the link check, and tini to pass Docker's SIGTERM on. DL3008 (pin apt versions)
-# is ignored on purpose: trixie's security updates are wanted, and a pinned version leaves the mirror once
-# it is superseded, which would break the build.
+# readelf (binutils) for the link check, libnuma1 (the CPU kernels load it from the system), and tini to pass
+# Docker's SIGTERM on. DL3008 (pin apt versions) is ignored on purpose: trixie's security updates are wanted,
+# and a pinned version leaves the mirror once it is superseded, which would break the build.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends binutils build-essential ca-certificates ccache git python3 \
-        python3-dev python3-venv tini zstd \
+    && apt-get install -y --no-install-recommends binutils build-essential ca-certificates ccache git libnuma1 \
+        python3 python3-dev python3-venv tini zstd \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/vllm
@@ -73,9 +76,10 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 COPY . .
 
-# PACK=0: the image is the product, no artifacts/ inside it. uv copies out of its cache (a mount) and uses
-# the image's CPython 3.13 rather than downloading one.
-ENV VLLM_DIR=/opt/vllm/vllm \
+# DEVICE picks the tree and venv: vllm/ and .venv/, or vllm-cpu/ and .venv-cpu/ with DEVICE=cpu. PACK=0: the
+# image is the product, no artifacts/ inside it. uv copies out of its cache (a mount) and uses the image's
+# CPython 3.13 rather than downloading one.
+ENV DEVICE=${DEVICE} \
     CCACHE_DIR=/root/.cache/ccache \
     PACK=0 \
     UV_LINK_MODE=copy \
@@ -118,7 +122,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=secret,id=host_ca \
     . scripts/host-ca.sh \
     && ./build.sh \
-    && rm -rf "$VLLM_DIR/build"
+    && rm -rf vllm/build vllm-cpu/build
 
 # start.sh runs through `uv run` of noxfile.py: its environment is made here, outside any cache mount, so
 # it is part of the image and a container start needs no network.

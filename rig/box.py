@@ -10,6 +10,7 @@ PCIe link, power limit and P2P status of every card: what a bug report wants.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
 import socket
@@ -215,8 +216,9 @@ def host_checks(s: Settings, p: Profile) -> list[Check]:
         shm = shutil.disk_usage("/dev/shm").total / 1e9
     except FileNotFoundError:
         shm = 0.0
-    out.append(Check("/dev/shm", "pass" if shm >= profile.shm_gb else "fail", f">= {profile.shm_gb:.0f} GB",
-                     f"{shm:.2f} GB", "mount a larger /dev/shm (docker: --shm-size=16g)"))
+    size = f"{max(1, math.ceil(profile.shm_gb))}g"
+    out.append(Check("/dev/shm", "pass" if shm >= profile.shm_gb else "fail", f">= {profile.shm_gb:g} GB",
+                     f"{shm:.2f} GB", f"mount a larger /dev/shm (docker run --shm-size={size}; compose: shm_size)"))
     free = shutil.disk_usage(s.root).free / 1e9
     out.append(Check("disk", "pass" if free >= profile.disk_gb else "warn", f">= {profile.disk_gb:.0f} GB free",
                      f"{free:.0f} GB free at {s.root}", "free disk space for the build"))

@@ -33,6 +33,7 @@ from rig.varparse import (
     optional_host,
     path,
     per_device,
+    per_device_text,
     ple_offload,
     port,
     python,
@@ -218,6 +219,8 @@ VARS: tuple[Var, ...] = (
         "when it is empty.", group="compose"),
     Var("MODEL_MOUNT_PATH", "/models/Qwen3.8-Flash-Next", "Container: where the checkpoint is mounted (read-only).",
         group="compose"),
+    Var("DEMO_DIR", "~/.cache/vllm-rig/models/demo", "Container, the CPU variant (`docker-compose.cpu.yml`): the "
+        "host folder of the demo checkpoint (`./start.sh --demo` makes it), mounted read-only.", group="compose"),
     Var("HOST_PORT", "8080", "Container: the host port the API is published on.", group="compose"),
     Var("BIND_ADDR", "127.0.0.1", "Container: the host address the port is published on; `0.0.0.0` opens it to "
         "the network (Docker's publishing bypasses the host firewall).", group="compose"),
@@ -233,7 +236,8 @@ VARS: tuple[Var, ...] = (
     Var("BASE_IMAGE", "debian:trixie-slim", "`nox -s image`: the image's base. The default, when the builder does "
         "not hold it and no registry answers, is made with `debootstrap` (Debian trixie, minbase).", text,
         "base_image", "image"),
-    Var("IMAGE", "vllm:latest", "`nox -s image`: the tag of the image it builds.", text, "tag", "image"),
+    Var("IMAGE", "`vllm:latest` (`vllm:cpu` with `DEVICE=cpu`)", "`nox -s image`: the tag of the image it builds.",
+        per_device_text("vllm:latest", "vllm:cpu"), "tag", "image"),
 )
 
 VAR_NAMES = frozenset(v.name for v in VARS)

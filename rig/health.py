@@ -2,13 +2,24 @@
 
 Used by the supervisor while it waits, by ``nox -s status``, by the bench's first check and the
 benchmarks. The profile adds its own fields to the request (e.g. ``chat_template_kwargs``).
+
+``python3 -m rig.health`` is the container's health check (docker-compose.yml): the same request, to the engine
+that the running rig's record (``RIG_STATE/engine.toml``) names, with its model and its profile's fields. Standard
+library only, so the image's own python3 runs it: exit 0 healthy, 1 not (or not started yet).
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import socket
+import sys
+import tomllib
+from pathlib import Path
+
+#: The running engine's record in ``RIG_STATE`` (written by rig/supervise.py).
+ENGINE_RECORD = "engine.toml"
 
 
 def connect_host(host: str) -> str:
@@ -52,3 +63,34 @@ def port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def check_running(state_dir: Path, api_key: str = "", timeout: float = 30.0) -> tuple[bool, str]:
+    """The one-token request to the engine the record in ``state_dir`` names (False when there is none yet)."""
+    try:
+        rec = tomllib.loads((state_dir / ENGINE_RECORD).read_text())
+        host, port, model = rec["host"], int(rec["port"]), rec["model"]
+        extra = json.loads(rec.get("health") or "{}")
+    except FileNotFoundError:
+        return False, f"no engine started yet (no {state_dir / ENGINE_RECORD})"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return False, f"{state_dir / ENGINE_RECORD}: unreadable ({exc})"
+    ok, detail = health(host, port, model, api_key, timeout=timeout, extra=extra)
+    return ok, f"{model} at {host}:{port}: {detail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rig import config, console  # only the command reads settings: the engine's callers pass their own
+
+    argparse.ArgumentParser(prog="python3 -m rig.health", description="Is the running engine healthy: a one-token "
+                            "generation to the engine that RIG_STATE/engine.toml names (its model, port and profile "
+                            "fields; VLLM_API_KEY as the key). Exit 0 healthy, 1 not or not started: a container's "
+                            "health check.").parse_args(argv)
+    s, v = config.settings(), config.serve_settings()
+    ok, detail = check_running(s.state_dir, v.api_key)
+    console.plain(("healthy: " if ok else "not healthy: ") + detail)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

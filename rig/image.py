@@ -1,5 +1,8 @@
 """``nox -s image``: the rig's image, built by the Dockerfile's route 1 from the kernels ``./build.sh`` packed.
 
+``DEVICE`` picks the variant: the GPU host's image from ``artifacts/``, or with ``DEVICE=cpu`` the CPU build's from
+``artifacts-cpu/`` (``vllm:cpu``), which serves the demo model on any box.
+
 Plan, then act. :func:`plan` reads the settings and asks the box what it has: which builder answers (BuildKit
 through ``docker buildx``, podman, or buildah), whether that builder holds the base image or a registry answers
 for it, and the host's CA store; it returns every command, and ``--dry-run`` prints them. :func:`act` makes the
@@ -109,12 +112,13 @@ def kernels_key(ops: Path) -> str:
 
 def build_command(builder: str, s: Settings, tag: str, base: str, ca: Path | None) -> list[str]:
     head = {"docker": ["docker", "buildx", "build", "--load"],
-            "podman": ["podman", "build", "--format", "docker", "--layers"],
-            # chroot isolation: runs where buildah's default runtime cannot (a container, a box without runc)
+            # chroot isolation: the RUN steps need no OCI runtime, so they run where the default one cannot (in a
+            # container; crun on a host with hybrid cgroups)
+            "podman": ["podman", "build", "--format", "docker", "--layers", "--isolation", "chroot"],
             "buildah": ["buildah", "bud", "--format", "docker", "--layers", "--isolation", "chroot"]}[builder]
+    build_args = {"BASE_IMAGE": base, "DEVICE": s.device, "ARCH": s.arch, "MAX_JOBS": s.max_jobs}
     args = [*head, "-f", str(s.root / "Dockerfile"), "-t", tag, "--build-context", f"ops={s.artifacts_dir}",
-            "--build-arg", f"BASE_IMAGE={base}", "--build-arg", f"ARCH={s.arch}", "--build-arg",
-            f"MAX_JOBS={s.max_jobs}"]
+            *(x for k, val in build_args.items() for x in ("--build-arg", f"{k}={val}"))]
     if ca:
         args += ["--secret", f"id=host_ca,src={ca}"]
     return [*args, str(s.root)]
@@ -122,9 +126,6 @@ def build_command(builder: str, s: Settings, tag: str, base: str, ca: Path | Non
 
 def plan(s: Settings, im: Image) -> Plan:
     """Decide the build: refuse what cannot work before anything starts (exit 2)."""
-    if s.device != "cuda":
-        raise BadInput(problem("DEVICE", "cuda (the image serves on the GPU host)", s.device,
-                               "unset DEVICE; the CPU variant of the image is not built by this command yet"))
     ops = s.artifacts_dir
     if not (ops / artifacts.MANIFEST).is_file() or not (ops / artifacts.SUMS).is_file():
         raise BadInput(problem(f"the kernels in {ops}", f"{artifacts.MANIFEST} and {artifacts.SUMS} (route 1)",

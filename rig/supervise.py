@@ -33,7 +33,7 @@ from rig.config import Serve, Settings
 from rig.console import error, quote, say, warn
 from rig.engine import Engine, runtime_dir
 from rig.errors import BadInput, WorkFailed, problem
-from rig.health import connect_host, health, port_open
+from rig.health import ENGINE_RECORD, connect_host, health, port_open
 from rig.proc import alive
 
 HEARTBEAT = 15.0  # seconds between "still waiting" lines
@@ -66,7 +66,7 @@ class Record:
 
 
 def pid_path(s: Settings) -> Path:
-    return s.state_dir / "engine.toml"
+    return s.state_dir / ENGINE_RECORD
 
 
 def load(s: Settings) -> Record | None:

@@ -16,6 +16,8 @@ from rig.console import note
 #: command -> Debian package
 DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd",
           "logrotate": "logrotate", "systemd-analyze": "systemd", "buildah": "buildah", "busybox": "busybox-static"}
+#: What the CPU image's run adds (``-m image``): podman runs it, with runc where crun refuses the host's cgroups.
+IMAGE_RUN = {"podman": "podman", "runc": "runc"}
 #: What the tests under a booted systemd add (``-m systemd``: tests/booted.py makes and boots the container).
 BOOTED = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "nsenter": "util-linux"}
 
@@ -37,4 +39,5 @@ def ensure(tools: dict[str, str] = DEBIAN) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    raise SystemExit(1 if ensure({**DEBIAN, **(BOOTED if "--booted" in sys.argv[1:] else {})}) else 0)
+    extra = {**(BOOTED if "--booted" in sys.argv[1:] else {}), **(IMAGE_RUN if "--image" in sys.argv[1:] else {})}
+    raise SystemExit(1 if ensure({**DEBIAN, **extra}) else 0)

@@ -136,12 +136,22 @@ def url(v: Var, env: Mapping[str, str], root: Path) -> str | None:
     return raw.rstrip("/") if raw else raw
 
 
+def _device_default(v: Var, env: Mapping[str, str], cuda: str, cpu: str) -> str:
+    return env.get(v.name, "").strip() or (cpu if env.get("DEVICE", "").strip() == "cpu" else cuda)
+
+
 def per_device(cuda: str, cpu: str) -> Parser:
     """A folder whose default depends on DEVICE, so the two builds sit side by side and never meet."""
     def parse(v: Var, env: Mapping[str, str], root: Path) -> Path:
-        raw = env.get(v.name, "").strip() or (cpu if env.get("DEVICE", "").strip() == "cpu" else cuda)
-        p = Path(raw).expanduser()
+        p = Path(_device_default(v, env, cuda, cpu)).expanduser()
         return p if p.is_absolute() else root / p
+    return parse
+
+
+def per_device_text(cuda: str, cpu: str) -> Parser:
+    """A name whose default depends on DEVICE (an image tag: the two images never overwrite each other)."""
+    def parse(v: Var, env: Mapping[str, str], root: Path) -> str:
+        return _device_default(v, env, cuda, cpu)
     return parse
 
 

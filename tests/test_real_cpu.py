@@ -6,6 +6,7 @@ build would: the same caches, the same lock, the same series, no second sdist do
 
 from __future__ import annotations
 
+import platform
 import re
 import subprocess
 
@@ -54,3 +55,9 @@ def test_cpu_tarball_carries_the_device_and_a_cuda_target_refuses_it(cpu_build, 
     assert r.returncode == 2, r.stdout + r.stderr
     assert "device: expected 'cuda' (the target's), found 'cpu'" in r.stderr
     assert not (tmp_path / "d").exists() or not any((tmp_path / "d").rglob("*.so"))
+    # the CPU target itself (the CPU image's verify) takes it: the manifest names this machine, not GPU archs
+    cpu_s = config.settings(cpu_env, root=dest)
+    cpu_target = of_build(cpu_s, record.load(cpu_s.state_dir, cpu_s.device)).facts()
+    assert f'arch = "{platform.machine()}"' in manifest and cpu_target["arch"] == platform.machine()
+    ok = verify_cli(dest / "artifacts-cpu", tmp_path / "ok", **cpu_target)
+    assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -13,6 +13,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -202,6 +203,27 @@ def test_status_reports_the_running_real_engine(served):
     assert "health: ok (one token generated)" in s.stdout and "CPU KV cache size:" in s.stdout
     # the hang watchdog reads the real engine's /metrics: idle, with the tokens generated so far counted
     assert "watchdog: idle (no request pending; " in s.stdout and " tokens generated so far" in s.stdout, s.stdout
+
+
+def test_the_container_health_check_is_a_one_token_generation_needing_only_the_standard_library(served, tmp_path):
+    """``python3 -m rig.health``, compose's health check, run by the system's own python3 (the image has no rig
+    dependency outside the venv): the running engine's model and port from its record, the key from the
+    environment; a wrong key or no engine started yet fails it, saying which."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0
+    py = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+
+    def check(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([py, "-m", "rig.health"], cwd=dest, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120)
+
+    ok = check()
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.strip() == f"healthy: demo at 127.0.0.1:{env['PORT']}: one token generated"
+    bad = check(VLLM_API_KEY="wrong")
+    assert bad.returncode == 1 and "not healthy: demo at" in bad.stdout and "HTTP 401" in bad.stdout, bad.stdout
+    none = check(RIG_STATE=str(tmp_path))
+    assert none.returncode == 1 and f"no engine started yet (no {tmp_path / 'engine.toml'})" in none.stdout
 
 
 def test_the_series_logs_the_names_the_model_is_served_under(served):

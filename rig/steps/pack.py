@@ -28,10 +28,16 @@ def manifest_facts(s: Settings, rec: record.BuildRecord) -> dict:
     if ops is None or not (s.vllm_dir / products.RECORD).exists():
         raise BadInput(problem(f"the build record {s.vllm_dir / products.RECORD}", "present (the ops step ran)",
                                "none", "run ./build.sh first"))
-    built = OFFICIAL_ARCHS if ops.route == "precompiled" else " ".join((ops.arch or s.arch).replace(";", " ").split())
+    facts = target.of_build(s, rec).facts()
+    if s.device == "cpu":  # the machine the CPU kernels are for, as the target names it; no GPU architectures
+        built = facts["arch"]
+    elif ops.route == "precompiled":
+        built = OFFICIAL_ARCHS
+    else:
+        built = " ".join((ops.arch or s.arch).replace(";", " ").split())
     kernels = products.read(s.vllm_dir)
-    return {**target.of_build(s, rec).facts(), "arch": built, "tree": rec.tree.head if rec.tree else "",
-            "route": ops.route, "python": products.pythons(kernels.files if kernels else {})}
+    return {**facts, "arch": built, "tree": rec.tree.head if rec.tree else "", "route": ops.route,
+            "python": products.pythons(kernels.files if kernels else {})}
 
 
 class PackStep(Step):
