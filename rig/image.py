@@ -129,8 +129,9 @@ def plan(s: Settings, im: Image) -> Plan:
     ops = s.artifacts_dir
     if not (ops / artifacts.MANIFEST).is_file() or not (ops / artifacts.SUMS).is_file():
         raise BadInput(problem(f"the kernels in {ops}", f"{artifacts.MANIFEST} and {artifacts.SUMS} (route 1)",
-                               "none", "run ./build.sh first (it packs them); route 2, the compile inside the image, "
-                               "is the Dockerfile's own: docs/container.md"))
+                               "none", f"run {'DEVICE=cpu ' if s.device == 'cpu' else ''}./build.sh first (it packs "
+                               "them); route 2, the compile inside the image, is the Dockerfile's own: "
+                               "docs/container.md"))
     builder, passed = choose_builder(im.builder)
     base, make, why = im.base_image, False, "the builder holds it"
     if not has_image(builder, base):

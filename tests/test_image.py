@@ -32,6 +32,8 @@ def test_without_packed_kernels_it_refuses_naming_the_folder_and_the_fix(tmp_pat
     assert r.code == 2, r.text
     assert f"the kernels in {tmp_path / 'none'}" in r.err and "manifest.toml and ops.sha256" in r.err
     assert "run ./build.sh first" in r.err
+    cpu = run_rig(env_with(tmp_path, DEVICE="cpu", ARTIFACTS_DIR=str(tmp_path / "none")), "image", "--dry-run")
+    assert cpu.code == 2 and "run DEVICE=cpu ./build.sh first" in cpu.err, cpu.text
 
 
 def packed(tmp_path: Path) -> Path:
