@@ -618,15 +618,14 @@ def test_readme_docker_run_mounts_the_checkpoint_where_the_image_looks(tmp_path,
 # -- the container's command: start.sh in the foreground, stopped by Docker's SIGTERM ---------------------------
 
 
-def image_env(**build_args: str) -> dict[str, str]:
-    """The ENV of the Dockerfile's last stage, as the container's processes see it: ``${ARG}`` is the ARG's default,
-    or the ``--build-arg`` given here."""
+def image_env() -> dict[str, str]:
+    """The ENV of the Dockerfile's last stage, as the container's processes see it: ``${ARG}`` is the ARG's default."""
     out: dict[str, str] = {}
     args_seen: dict[str, str] = {}
     for ins, args, _ in instructions():
         if ins == "ARG" and "=" in args:
             name, default = args.split("=", 1)
-            args_seen[name] = build_args.get(name, default)
+            args_seen[name] = default
         if ins == "ENV":
             for kv in shlex.split(args):
                 name, value = kv.split("=", 1)

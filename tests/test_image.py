@@ -53,8 +53,8 @@ def test_the_cpu_variant_is_planned_from_the_cpu_builds_kernels_under_its_own_ta
     cmd = rig_image.build_command("buildah", s, "vllm:cpu", rig_image.DEFAULT_BASE, None)
     assert cmd[cmd.index("--build-context") + 1] == f"ops={ROOT / 'artifacts-cpu'}"
     assert "DEVICE=cpu" in cmd and cmd[cmd.index("-t") + 1] == "vllm:cpu"
-    assert "ARG DEVICE=cuda" in (ROOT / "Dockerfile").read_text() and "ENV DEVICE=${DEVICE}" in \
-        (ROOT / "Dockerfile").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG DEVICE=cuda" in dockerfile and "ENV DEVICE=${DEVICE}" in dockerfile
 
 
 def test_a_builder_that_cannot_build_is_named_with_why(tmp_path):
@@ -89,8 +89,8 @@ def nox_image(env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
     r = subprocess.run([str(ROOT / "scripts" / "nox.sh"), "-s", "image"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=3600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    device = env.get("DEVICE", "cuda") or "cuda"
-    return r, json.loads((Path(env.get("RIG_STATE", ROOT / ".rig")) / f"image-{device}.json").read_text())
+    s = config.settings(env)
+    return r, json.loads((s.state_dir / f"image-{s.device}.json").read_text())
 
 
 def start_inside(rec: dict, tmp_path: Path) -> str:
@@ -250,8 +250,9 @@ def test_the_cpu_image_serves_the_demo_read_only_and_a_stop_or_compose_down_leav
         env = podman_env(tmp_path, CPU_TAG)
         assert rec["tag"] == CPU_TAG and rec["device"] == "cpu" and rec["bytes"] > 1e9
         figures = {"build": rec["seconds"], "GB": rec["bytes"] / 1e9}
-        figures.update(run_and_stop(env, names[0], demo_folder(tmp_path, s)))
-        figures.update(compose_up_and_down(env, names[1], demo_folder(tmp_path, s), tmp_path))
+        demo_dir = demo_folder(tmp_path, s)
+        figures.update(run_and_stop(env, names[0], demo_dir))
+        figures.update(compose_up_and_down(env, names[1], demo_dir, tmp_path))
         print("\nCPU image: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
     finally:
         for n in names:
