@@ -41,10 +41,10 @@ from timing import median_time, timed  # noqa: E402 - benchmarks/timing.py
 
 from rig.config import serve_settings, settings  # noqa: E402
 from rig.demo import ensure as ensure_demo  # noqa: E402
+from rig.enginerec import clear_runtime, fresh_runtime, terminate  # noqa: E402
 from rig.health import health  # noqa: E402
 from rig.profiles import load as load_profile  # noqa: E402
 from rig.serve import BoxReport, plan  # noqa: E402
-from rig.supervise import clear_runtime, fresh_runtime, terminate  # noqa: E402
 
 
 def free_port() -> int:

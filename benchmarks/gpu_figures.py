@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig import serve, supervise  # noqa: E402
+from rig import enginerec, serve  # noqa: E402
 from rig.health import health  # noqa: E402
 
 PROMPT = "Write a long story about the sea, the river and the town between them."
@@ -86,7 +86,7 @@ def bare_start(env: dict, log: Path) -> tuple[subprocess.Popen, float]:
     """The rig's own engine command and environment, run as a bare ``vllm serve``; seconds to a one-token answer."""
     s, v, p = serve.inputs(env)
     plan = serve.plan(s, v, p, serve.check_box(s, v, p, check=False))
-    supervise.fresh_runtime(s)  # the engine's runtime folder, which the supervisor makes before each start
+    enginerec.fresh_runtime(s)  # the engine's runtime folder, which the supervisor makes before each start
     fh = open(log, "a")  # noqa: SIM115 - the engine writes it until it is killed
     t0 = time.monotonic()
     proc = subprocess.Popen(plan.engine.argv, env=plan.engine.full_env(env), stdout=fh, stderr=subprocess.STDOUT,
@@ -160,7 +160,7 @@ def main() -> int:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        supervise.clear_runtime(serve.inputs(env)[0])
+        enginerec.clear_runtime(serve.inputs(env)[0])
     card_free()
     figures.update(rig_cold_s=cold, rig_warm_s=warm, bare_warm_s=bare,
                    **{f"rig_decode_c{c}": rig_dec[c] for c in rig_dec},

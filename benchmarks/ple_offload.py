@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_figures import card_free, decode, free_port, timed_run  # noqa: E402
 
-from rig import box, ple, supervise  # noqa: E402
+from rig import box, enginerec, ple  # noqa: E402
 from rig.config import settings  # noqa: E402
 
 PROFILE = "demo-ple-gpu"
@@ -51,9 +51,9 @@ PROMPTS = ("the river runs to the sea and the", "a town between two hills", "tel
 
 def engine_processes(env: dict) -> list[psutil.Process]:
     """The live processes of the engine's group, from the engine's record."""
-    rec = supervise.load(settings(env))
+    rec = enginerec.load(settings(env))
     assert rec is not None, "the engine left no record"
-    return [psutil.Process(pid) for pid in supervise.group_members(rec.pgid)]
+    return [psutil.Process(pid) for pid in enginerec.group_members(rec.pgid)]
 
 
 def card_mib() -> dict[int, int]:

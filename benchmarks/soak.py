@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from rig import service, unitfile  # noqa: E402
 from rig.config import settings  # noqa: E402
 from rig.demo import ensure as ensure_demo  # noqa: E402
-from rig.supervise import group_members, load, runtime_dir  # noqa: E402
+from rig.enginerec import group_members, load, runtime_dir  # noqa: E402
 
 KINDS = ("api", "enginecore", "worker", "logwriter", "hang", "diskfull", "ckpt")
 QUICK = ("api", "enginecore", "diskfull")
@@ -212,9 +212,10 @@ def in_step(load_: Load) -> bool:
 
 
 def files_of(folder: Path) -> set[tuple[str, int]]:
-    """The runtime folder's entries by name and inode: a new engine makes some of the same names anew."""
+    """The runtime folder's entries (each engine's own folder and what it holds) by path and inode: a new engine
+    makes some of the same names anew."""
     try:
-        return {(p.name, p.stat().st_ino) for p in folder.iterdir()}
+        return {(str(p.relative_to(folder)), p.lstat().st_ino) for p in folder.rglob("*")}
     except FileNotFoundError:
         return set()
 

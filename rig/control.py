@@ -1,7 +1,7 @@
 """``nox -s stop``, ``nox -s status`` and ``nox -s doctor``: acting on, and reporting, an engine and its box.
 
-Stop and status read the pid file (rig/supervise.py) and find the engine by its process group; stop is
-supervise's own (what a worker's agent runs too), with a multi-node head's workers first. Status adds the
+Stop and status read the pid file (rig/enginerec.py) and find the engine by its process group; stop is
+enginerec's own (what a worker's agent runs too), with a multi-node head's workers first. Status adds the
 one-token health check, the hang watchdog's reading (rig/watchdog.py), the KV cache line from the log and, on a
 head, each node from the registry's beats (rig/nodes/). Doctor is the box report (rig/box.py) with a multi-node
 setting's checks.
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 
-from rig import box, logs, supervise, watchdog
+from rig import box, enginerec, logs, watchdog
 from rig.config import Serve, Settings
 from rig.console import error, say
+from rig.enginerec import ago, engine_key, leftovers, load, pid_path, server_alive
 from rig.health import health
 from rig.nodes import client, registry
 from rig.proc import alive
 from rig.profiles import Profile
-from rig.supervise import ago, engine_key, leftovers, load, pid_path, server_alive
 
 
 def stop(s: Settings, v: Serve) -> int:
@@ -29,7 +29,7 @@ def stop(s: Settings, v: Serve) -> int:
         for line in registry.stop_workers(role, v.stop_timeout + 10):
             say(line)
     try:
-        return supervise.stop(s, v)
+        return enginerec.stop(s, v)
     finally:
         if role:
             client.close(s, role)  # the head's registry, or this worker's agent

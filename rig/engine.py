@@ -26,8 +26,11 @@ from rig.topology import Topology, engine_args
 SERIES_VARS = ("PLE_OFFLOAD", "PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS",
                "SCALES")
 SECRET = "VLLM_API_KEY"
-#: An AF_UNIX socket's path holds at most 107 bytes, and vLLM names its sockets ``<base>/<uuid4>`` (37 more).
-SOCKET_ROOM = 107 - 37
+#: Each engine's own runtime folder under :func:`runtime_dir`: ``/`` and 8 hex digits (rig/supervise.py makes it).
+OWN_FOLDER = 9
+#: An AF_UNIX socket's path holds at most 107 bytes, and vLLM names its sockets ``<base>/<uuid4>`` (37 more) inside
+#: the engine's own folder.
+SOCKET_ROOM = 107 - 37 - OWN_FOLDER
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,12 @@ def cache_env(root: Path) -> dict[str, str]:
 
 
 def runtime_dir(s: Settings) -> Path:
-    """The engine's own runtime folder: vLLM's IPC sockets (``VLLM_RPC_BASE_PATH``) and temporary files
-    (``TMPDIR``: the ``vllm_dist_*`` rendezvous files), removed when the engine is stopped or found dead, so none
-    pile up in /tmp. It is ``RIG_STATE/run``; a state path too long to hold a socket's name gets a short folder
-    in /tmp named by a hash of it instead (one state folder, one engine, one runtime folder)."""
+    """The engines' runtime folder: each engine the supervisor starts gets a folder of its own in it for vLLM's
+    IPC sockets (``VLLM_RPC_BASE_PATH``) and temporary files (``TMPDIR``: the ``vllm_dist_*`` rendezvous files),
+    removed when that engine is stopped or found dead, so none pile up in /tmp and a failed engine's cleanup never
+    touches the next one's files. It is ``RIG_STATE/run``; a state path too long to hold a socket's name gets a
+    short folder in /tmp named by a hash of it instead, made safely (rig/supervise.py: never through a link, ours
+    and 0700)."""
     d = s.state_dir.resolve() / "run"
     if len(str(d)) <= SOCKET_ROOM:
         return d

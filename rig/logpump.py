@@ -1,7 +1,10 @@
 """Run as a script on purpose (``logpump.py LOG -- CMD``): CMD's output appended to a log that may be rotated.
 
-``python rig/logpump.py LOG -- CMD ...`` (how rig/supervise.py runs it) starts CMD with its stdout and stderr
-on a pipe and appends every byte to LOG (O_APPEND). Before each write it checks that LOG still names the
+``python rig/logpump.py LOG [--status FILE] -- CMD ...`` (how rig/supervise.py runs it) starts CMD with its stdout
+and stderr
+on a pipe and appends every byte to LOG (O_APPEND). With ``--status``, CMD's own exit status (negative: the
+signal that killed it) is written to FILE the moment CMD exits, before the drain: the supervisor tells a server
+that shut down from one that was killed by that, not by timing. Before each write it checks that LOG still names the
 file it has open; when logrotate has renamed it, it opens a new LOG. So rotation by rename loses
 nothing, where ``copytruncate`` loses what is written between the copy and the truncation.
 
@@ -97,7 +100,7 @@ class Appender:
                 f"output from {t0} to {t1}: {self.why or 'a write failed'} ({self.path})\n").encode()
 
 
-def run(log: str, cmd: list[str], drain: float = 1.0) -> int:
+def run(log: str, cmd: list[str], drain: float = 1.0, status: str = "") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN: CMD must not inherit the ignoring
     out = Appender(log)
@@ -117,19 +120,37 @@ def run(log: str, cmd: list[str], drain: float = 1.0) -> int:
             out.write(chunk)
         if proc.poll() is not None:
             # CMD is gone; a child it left may hold the pipe open: take what is there, then stop.
+            if exited_at is None and status:
+                _status(status, proc.returncode)
             exited_at = exited_at or time.monotonic()
             if not ready and time.monotonic() - exited_at > drain:
                 break
     code = proc.wait()
+    if exited_at is None and status:
+        _status(status, code)
     return code if code >= 0 else 128 - code
+
+
+def _status(path: str, code: int) -> None:
+    """CMD's exit status into ``path``, atomically (written beside it, then renamed)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(f"{code}\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the supervisor then knows only the log writer's own exit status, and says so
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    status = ""
+    if len(argv) > 2 and argv[1] == "--status":
+        status, argv = argv[2], [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m rig.logpump LOG -- CMD [ARGS]", file=sys.stderr)
+        print("usage: python -m rig.logpump LOG [--status FILE] -- CMD [ARGS]", file=sys.stderr)
         return 2
-    return run(argv[0], argv[2:])
+    return run(argv[0], argv[2:], status=status)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
-"""Start, stop and report the engine process; prove it healthy.
+"""Start the engine, prove it healthy, and supervise it until it ends: three steps, one value for how it ended.
 
-The engine runs in its own session (so its process group holds the API server, EngineCore
-and the workers), with a pid file (``RIG_STATE/engine.toml``) naming the group. Healthy means
-a one-token chat completion succeeded: ``/v1/models`` is a static list that answers 200 while
-the engine is dead. Stop (:func:`stop`, what ``nox -s stop`` and a worker's agent run) is SIGTERM
-to the whole group, a wait, SIGKILL, and then a check that no process of it is left: vLLM's
-EngineCore and workers outlive a SIGKILL of the server.
+:func:`spawn` starts ``vllm serve`` in a session of its own (its process group holds the API server, EngineCore and
+the workers; rig/enginerec.py keeps its record), :func:`wait_healthy` waits for a one-token chat completion
+(``/v1/models`` is a static list that answers 200 while the engine is dead), and in the foreground
+:func:`supervise` waits for the engine to end and says how, as one :class:`Ending`; :data:`ENDINGS` maps each to
+the exit status, the message and the systemd notice. The API server's own exit status decides the ending: the log
+writer records it the moment the server exits (rig/logpump.py ``--status``), so a server killed is never taken
+for one that shut down, whatever the timing.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,21 +21,34 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import psutil
-import tomli_w
 
-from rig import REPO_ROOT, atomic, logs, sdnotify, watchdog
+from rig import REPO_ROOT, logs, sdnotify, watchdog
 from rig.buildlock import held_alone
 from rig.config import Serve, Settings
 from rig.console import error, quote, say, warn
 from rig.engine import Engine, runtime_dir
-from rig.errors import BadInput, WorkFailed, problem
-from rig.health import ENGINE_RECORD, connect_host, health, port_open
-from rig.proc import alive
+from rig.enginerec import (
+    Record,
+    already_running,
+    clear_runtime,
+    engine_key,
+    group_members,
+    leftovers,
+    load,
+    own_runtime,
+    pid_path,
+    save,
+    server_alive,
+    terminate,
+)
+from rig.errors import WorkFailed, problem
+from rig.health import connect_host, health, port_open
+from rig.serve import Plan
 
 HEARTBEAT = 15.0  # seconds between "still waiting" lines
 POLL = 0.25
@@ -42,122 +56,10 @@ POLL = 0.25
 #: (benchmarks/demo_start.py), and every second between the engine's readiness and the next probe is a second
 #: added to the start.
 RETRY = 0.5
-
-
-@dataclass
-class Record:
-    """What the pid file says about a running engine."""
-
-    pid: int
-    pgid: int
-    create_time: float  # psutil's, so a reused pid is not mistaken for the engine
-    started: float
-    host: str
-    port: int
-    model: str
-    log: str
-    supervisor: int = 0  # the foreground supervisor's pid, 0 when detached
-    ready: float = 0.0
-    capacity: str = ""
-    health: str = "{}"  # the profile's extra fields of the one-token request, as JSON
-    ckpt: str = ""  # what the API server serves: its command line names it after `serve`
-    hang: str = ""  # set by the foreground supervisor's hang watchdog while it ends a hung engine
-    stopping: int = 0  # the pid of a `nox -s stop` under way: a foreground supervisor then exits 0
-
-
-def pid_path(s: Settings) -> Path:
-    return s.state_dir / ENGINE_RECORD
-
-
-def load(s: Settings) -> Record | None:
-    """The pid file's record if its process still runs; a stale file is removed."""
-    path = pid_path(s)
-    try:
-        data = tomllib.loads(path.read_text())
-        rec = Record(**{k: v for k, v in data.items() if k in Record.__dataclass_fields__})  # older or newer rigs
-    except FileNotFoundError:
-        return None
-    except (tomllib.TOMLDecodeError, TypeError):
-        path.unlink(missing_ok=True)
-        return None
-    try:
-        if abs(psutil.Process(rec.pid).create_time() - rec.create_time) < 1.0:
-            return rec
-    except psutil.NoSuchProcess:
-        pass
-    # The engine is gone; its group may not be (workers outliving the server): leave the file for stop.
-    if group_members(rec.pgid):
-        return rec
-    path.unlink(missing_ok=True)
-    clear_runtime(s)  # found dead: its sockets and temporary files go with it
-    return None
-
-
-def clear_runtime(s: Settings) -> int:
-    """Remove the engine's runtime folder (rig/engine.py's runtime_dir) once no process of it is left; how many
-    files it held."""
-    d = runtime_dir(s)
-    if not d.is_dir() or d.is_symlink():
-        return 0
-    n = sum(1 for _ in d.rglob("*"))
-    shutil.rmtree(d, ignore_errors=True)
-    return n
-
-
-def fresh_runtime(s: Settings) -> int:
-    """An empty runtime folder for the engine about to start (any start of the rig's command, bare ones too);
-    how many files a gone engine had left there."""
-    left = clear_runtime(s)
-    runtime_dir(s).mkdir(mode=0o700, parents=True, exist_ok=True)
-    return left
-
-
-def server_alive(rec: Record) -> bool:
-    """Whether the engine's API server still runs. The group leader is not proof: the log writer outlives a
-    killed server while EngineCore keeps its output pipe open, so the server is found by its command line
-    (``serve CKPT``) among the group's members; EngineCore and the workers rename themselves ``VLLM::...``."""
-    if not rec.ckpt:  # a record of an older rig: the leader is all it knows
-        try:
-            return abs(psutil.Process(rec.pid).create_time() - rec.create_time) < 1.0
-        except psutil.NoSuchProcess:
-            return False
-    for pid in group_members(rec.pgid):
-        try:
-            cmd = psutil.Process(pid).cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        # [python,] .../vllm serve CKPT ...: the log writer also names them, after its own arguments
-        if "serve" in cmd[:3] and rec.ckpt in cmd[cmd.index("serve"):]:
-            return True
-    return False
-
-
-def leftovers(rec: Record) -> str:
-    """The engine processes left in the group of a dead server, as ``pid (name)`` for a message."""
-    names = []
-    for pid in group_members(rec.pgid):
-        try:
-            names.append(f"{pid} ({psutil.Process(pid).name()})")
-        except psutil.NoSuchProcess:
-            continue
-    return ", ".join(names)
-
-
-def save(s: Settings, rec: Record) -> None:
-    head = "# The engine the rig started (nox -s stop reads it).\n"
-    atomic.write_text(pid_path(s), head + tomli_w.dumps(asdict(rec)))
-
-
-def group_members(pgid: int) -> list[int]:
-    """Every live process in the process group (zombies excluded: they hold nothing)."""
-    out = []
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                out.append(p.pid)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return out
+#: Seconds the log writer gets to record the status of a server found gone (it polls its child every 0.2 s).
+STATUS_GRACE = 3.0
+#: The file in the engine's runtime folder where the log writer records the API server's exit status.
+STATUS_FILE = "rig-server-status"
 
 
 @dataclass(frozen=True)
@@ -178,43 +80,86 @@ class Launch:
     # that joined but runs no engine), which ends the start instead of vLLM's init waiting until START_TIMEOUT.
     nodes_check: Callable[[], str] | None = None
 
+    @classmethod
+    def of(cls, plan: Plan, *, on_spawn: Callable[[], None] | None = None,
+           on_ready: Callable[[], None] | None = None, probe: Callable[[], tuple[bool, str]] | None = None,
+           nodes_check: Callable[[], str] | None = None) -> Launch:
+        """The launch of the plan's engine, with this node's hooks."""
+        return cls(plan.s, plan.v, plan.engine, foreground=plan.foreground, health=plan.profile.health,
+                   on_spawn=on_spawn, on_ready=on_ready, probe=probe, nodes_check=nodes_check)
+
 
 def _lock(s: Settings) -> IO[str]:
     return held_alone(s.state_dir / "engine.lock", "the engine lock", "another start",
                       "wait for that start to finish, then nox -s status")
 
 
-def running_message(rec: Record) -> str:
-    return (f"already running: pid {rec.pid}, {rec.host}:{rec.port}, up {ago(rec.started)}; nothing started "
-            "(nox -s stop first to restart it)")
+
+@dataclass
+class Spawned:
+    """An engine just started: its process (the group's leader), its record, and its output's reader."""
+
+    proc: subprocess.Popen
+    rec: Record
+    lines: logs.Lines
 
 
 def start(launch: Launch) -> int:
-    """Start the engine and wait until it is healthy; in the foreground, then wait for it to end."""
+    """Start the engine and wait until it is healthy; in the foreground, then supervise it until it ends."""
+    s, v = launch.s, launch.v
+    spawned = spawn(launch)
+    if spawned is None:
+        return 0
+    proc, rec = spawned.proc, spawned.rec
+    say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
+    if launch.on_spawn:
+        launch.on_spawn()
+    sdnotify.notify(f"STATUS=starting the engine (pid {proc.pid})")
+    stopping = _forward_signals(rec) if launch.foreground else threading.Event()
+    try:
+        wait_healthy(launch, spawned, stopping)
+    except KeyboardInterrupt:
+        if not launch.foreground:
+            say(f"stopped waiting; the engine keeps starting (pid {proc.pid}): nox -s status, or nox -s stop")
+            return 130
+        raise
+    except WorkFailed:
+        # The whole group, its leader gone or not: EngineCore and the workers outlive the server, and nothing of
+        # a failed engine may still run (or clean up) when the next one starts (an update's rollback).
+        terminate(rec.pgid, v.stop_timeout)
+        pid_path(s).unlink(missing_ok=True)
+        if not group_members(rec.pgid):
+            clear_runtime(s, rec.runtime)
+        raise
+    if not launch.foreground:
+        return 0
+    if rec.ready:  # healthy, not stopped while starting: systemd's Type=notify start is over
+        sdnotify.notify("READY=1", f"STATUS=ready: {v.names[0]} on {s.host}:{s.port}, pid {proc.pid}")
+    return report(s, rec, supervise(s, v, rec, proc, stopping))
+
+
+def spawn(launch: Launch) -> Spawned | None:
+    """Under the engine lock: ``vllm serve`` (behind the log writer when there is a log) in a session of its own,
+    with a runtime folder of its own, and its record; None when an engine already runs (said)."""
     s, v = launch.s, launch.v
     with _lock(s):
         if rec := load(s):
-            if launch.foreground:
-                raise BadInput(problem("the engine", "not running", f"pid {rec.pid} on {rec.host}:{rec.port}",
-                                       "nox -s stop, then start again"))
-            say(running_message(rec))
-            return 0
+            already_running(rec, attached=launch.foreground)
+            return None
         v.cache_root.mkdir(parents=True, exist_ok=True)
-        if left := fresh_runtime(s):
-            say(f"removed {left} file(s) an engine that is gone left in {runtime_dir(s)}")
+        own, ended, left = own_runtime(s, v.stop_timeout)
+        if ended or left:
+            say(f"an engine that is gone left {ended} process(es) running and {left} file(s) in {runtime_dir(s)}: "
+                "ended and removed before this start")
         argv, env, offset = launch.engine.argv, sdnotify.engine_env(launch.engine.full_env()), 0
+        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(own)
         if s.log:
-            with logs.open_log(s.log) as log_fh:
-                try:
-                    log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {argv[0]} serve\n".encode())
-                except OSError as exc:  # a full disk must not keep the engine down: its log writer copes
-                    warn(f"LOG {s.log}: {exc.strerror}: the engine starts anyway; its log writer drops what it "
-                         "cannot write and says how much once the disk has room")
-                offset = os.fstat(log_fh.fileno()).st_size
+            offset = _banner(s.log, argv[0])
             # The pump leads the group and writes the log, following a rotation by rename.
             # Run as a script (standard library only): no PYTHONPATH to the repository reaches the engine, where
             # the tree's folder vllm/ would shadow the installed package as a namespace package.
-            argv = [sys.executable, str(REPO_ROOT / "rig" / "logpump.py"), s.log, "--", *argv]
+            argv = [sys.executable, str(REPO_ROOT / "rig" / "logpump.py"), s.log, "--status",
+                    str(own / STATUS_FILE), "--", *argv]
         # A detached engine must not hold the caller's terminal or pipes: with a log, nothing is inherited.
         out = subprocess.DEVNULL if s.log else subprocess.PIPE
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
@@ -223,102 +168,143 @@ def start(launch: Launch) -> int:
         rec = Record(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid), started=time.time(),
                      host=s.host, port=s.port, model=v.names[0], log=s.log,
                      supervisor=os.getpid() if launch.foreground else 0, health=json.dumps(launch.health),
-                     ckpt=str(s.ckpt))
+                     ckpt=str(s.ckpt), runtime=str(own))
         save(s, rec)
-    lines = logs.Lines(Path(s.log) if s.log else None, offset, proc.stdout)
-    say(f"engine started: pid {proc.pid}" + (f", log {s.log}" if s.log else ", output below"))
-    if launch.on_spawn:
-        launch.on_spawn()
-    sdnotify.notify(f"STATUS=starting the engine (pid {proc.pid})")
-    stopping = _forward_signals(rec) if launch.foreground else threading.Event()
-    try:
-        _wait_healthy(s, v, rec, proc, lines, quiet=not s.log, stopping=stopping, probe=launch.probe,
-                      nodes_check=launch.nodes_check)
-        if launch.on_ready and rec.ready:
-            launch.on_ready()
-    except KeyboardInterrupt:
-        if not launch.foreground:
-            say(f"stopped waiting; the engine keeps starting (pid {proc.pid}): nox -s status, or nox -s stop")
-            return 130
-        raise
-    except WorkFailed:
-        if proc.poll() is None:
-            terminate(rec.pgid, v.stop_timeout)
-        pid_path(s).unlink(missing_ok=True)
-        if not group_members(rec.pgid):
-            clear_runtime(s)
-        raise
-    if not launch.foreground:
-        return 0
-    if rec.ready:  # healthy, not stopped while starting: systemd's Type=notify start is over
-        sdnotify.notify("READY=1", f"STATUS=ready: {v.names[0]} on {s.host}:{s.port}, pid {proc.pid}")
+    return Spawned(proc, rec, logs.Lines(Path(s.log) if s.log else None, offset, proc.stdout))
+
+
+def _banner(log: str, program: str) -> int:
+    """The start's line in the log; the log's size after it (where this engine's lines begin)."""
+    with logs.open_log(log) as log_fh:
+        try:
+            log_fh.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {program} serve\n".encode())
+        except OSError as exc:  # a full disk must not keep the engine down: its log writer copes
+            warn(f"LOG {log}: {exc.strerror}: the engine starts anyway; its log writer drops what it cannot write "
+                 "and says how much once the disk has room")
+        return os.fstat(log_fh.fileno()).st_size
+
+
+# -- how the engine ended ----------------------------------------------------------------------------------------
+
+
+class Ending(enum.Enum):
+    """How a supervised engine ended."""
+
+    SIGNAL = "the supervisor was told to stop (SIGTERM, SIGINT, SIGHUP)"
+    STOPPED = "nox -s stop ended it (the unit's ExecStop, a second terminal)"
+    HUNG = "the hang watchdog ended it"
+    SHUTDOWN = "the API server exited 0 on its own: vLLM's answer to a dead EngineCore"
+    FAILED = "the API server exited with an error status"
+    KILLED = "the API server was killed by a signal"
+    LEADER = "the log writer, the group's leader, was killed (the server's status is unknown)"
+
+
+@dataclass(frozen=True)
+class Ended:
+    """One supervised engine's end: how, the API server's own exit status (negative: a signal; None: unknown),
+    and the processes of its group the supervisor ended after it."""
+
+    how: Ending
+    status: int | None
+    left: str = ""
+
+
+def _signal_name(status: int | None) -> str:
+    return signal.Signals(-status).name if status is not None and status < 0 else "a signal"
+
+
+_RESTART = "so systemd's Restart=on-failure starts it again"
+#: Each ending: the supervisor's exit status, whether it is an error, and its words (``{status}``, ``{sig}``,
+#: ``{left}``, ``{log}`` filled in), and the systemd notice.
+ENDINGS: dict[Ending, tuple[int, bool, str, str]] = {
+    Ending.SIGNAL: (0, False, "engine stopped (exit {status})", ""),
+    Ending.STOPPED: (0, False, "engine stopped by nox -s stop (exit {status})", "STATUS=stopped by nox -s stop"),
+    Ending.HUNG: (1, False, f"engine stopped by the hang watchdog (its exit {{status}}); exit 1, {_RESTART}",
+                  "STATUS=stopped by the hang watchdog"),
+    Ending.SHUTDOWN: (1, True, "the engine|running until it is stopped|it ended on its own with exit 0 (vLLM's API "
+                      "server does that when its EngineCore has died)|nothing by hand: the supervisor exits 1, "
+                      "so systemd restarts it; why it died is in {log}", "STATUS=the engine ended on its own"),
+    Ending.FAILED: (1, True, "the engine|running until it is stopped|its API server exited with status {status}"
+                    "{left}|nothing by hand: the supervisor exits 1, so systemd restarts it; why is in {log}",
+                    "STATUS=the engine failed"),
+    Ending.KILLED: (1, True, "the engine's API server|running while its engine runs|gone: killed by {sig}{left}|"
+                    "nothing by hand: the rig ended the group and exits 1, so systemd restarts it",
+                    "STATUS=the engine's API server was killed"),
+    Ending.LEADER: (1, True, "the engine's log writer (its group's leader)|running until the engine is stopped|"
+                    "killed by {sig}|nothing by hand: the rig ended the group and exits 1, so systemd restarts it",
+                    "STATUS=the engine's log writer was killed"),
+}
+
+
+def report(s: Settings, rec: Record, ended: Ended) -> int:
+    """Say how the engine ended (:data:`ENDINGS`), notify systemd, and return the supervisor's exit status."""
+    code, is_error, words, notice = ENDINGS[ended.how]
+    left = f", leaving {ended.left} in its group (pid {rec.pgid})" if ended.left else ""
+    text = words.format(status=ended.status, sig=_signal_name(ended.status), left=left,
+                        log=s.log or "the output above")
+    if is_error:
+        error(problem(*text.split("|")))
+    else:
+        say(text)
+    if ended.how is Ending.STOPPED:
+        sdnotify.notify("STOPPING=1", notice)
+    elif notice:
+        sdnotify.notify(notice)
+    return code
+
+
+def supervise(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, stopping: threading.Event) -> Ended:
+    """Until the engine has ended, with the hang watchdog on a healthy engine; then nothing of it is left."""
     watch = _watch(s, v, rec, stopping) if v.hang_window and rec.ready else None
-    code, orphaned = _wait_engine(s, v, rec, proc, lambda: stopping.is_set() or bool(watch and watch.hang))
-    by_rig = not orphaned and _stopped_by_rig(s, rec)  # before this supervisor removes the pid file itself
+    hung = lambda: bool(watch and watch.hang)  # noqa: E731 - read again at each look
+    status, leader, orphans = _wait_server(s, rec, proc, lambda: stopping.is_set() or hung())
+    by_rig = _stopped_by_rig(s, rec)  # before this supervisor removes the pid file itself
     if watch:
         watch.stop(v.stop_timeout + 10)  # a hang being handled: its terminate() finishes first
-    leftover = terminate(rec.pgid, v.stop_timeout)  # workers the server left behind
+    leftover = terminate(rec.pgid, v.stop_timeout)  # what the server left behind
     pid_path(s).unlink(missing_ok=True)
-    clear_runtime(s)
-    if leftover:
+    clear_runtime(s, rec.runtime)
+    if leftover and not orphans:
         warn(f"the engine left {len(leftover)} process(es) behind; they were stopped")
-    if orphaned:
-        say(f"engine stopped: its API server was gone (the group's exit {code}); exit 1, so systemd's "
-            "Restart=on-failure starts it again")
-        return 1
-    if watch and watch.hang:
-        say(f"engine stopped by the hang watchdog (its exit {code}); exit 1, so systemd's Restart=on-failure "
-            "starts it again")
-        return 1
-    if stopping.is_set():
-        say(f"engine stopped (exit {code})")
-        return 0
-    if by_rig:
-        sdnotify.notify("STOPPING=1", "STATUS=stopped by nox -s stop")
-        say(f"engine stopped by nox -s stop (exit {code})")
-        return 0
-    if code == 0:  # vLLM's API server shuts down cleanly, exit 0, when its EngineCore has died: still a crash
-        error(problem("the engine", "running until it is stopped", "it ended on its own with exit 0 (vLLM's API "
-                      "server does that when its EngineCore has died)", "nothing by hand: the supervisor exits 1, "
-                      f"so systemd restarts it; why it died is in {s.log or 'the output above'}"))
-        return 1
-    if code < 0:  # the leader killed: the log writer (the engine's output has nowhere to go) or the server
-        error(problem(f"the engine's {'log writer' if s.log else 'API server'} (pid {rec.pid}, its group's leader)",
-                      "running until the engine is stopped", f"killed by {signal.Signals(-code).name}",
-                      f"nothing by hand: the rig ended the group and exits {128 - code}, so systemd restarts it"))
-    return code if code >= 0 else 128 - code
+    # Nothing recorded: the log writer was killed (its status says by what), or it passed the server's on.
+    leader_killed = status is None and (leader is None or leader < 0)
+    status = leader if status is None else status
+    how = (Ending.SIGNAL if stopping.is_set() else Ending.HUNG if hung() else Ending.STOPPED if by_rig
+           else Ending.LEADER if leader_killed else Ending.SHUTDOWN if status == 0
+           else Ending.KILLED if status < 0 else Ending.FAILED)
+    return Ended(how, status, orphans)
 
 
-LEADER_GRACE = 3.0  # seconds the log writer gets to follow a server that exited (its drain is 1 s of quiet)
-
-
-def _wait_engine(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen,
-                 ending: Callable[[], bool]) -> tuple[int, bool]:
-    """Until the engine's group leader exits: (its exit code, whether the rig ended the group because the API
-    server was gone). With a log the leader is the log writer, which outlives the server while the server's
-    children keep writing to the output pipe: a killed API server can leave EngineCore holding it (and its memory),
-    so the supervisor would wait on an engine that serves nothing. Each second it looks for the server by its
-    command line, unless the group is being ended already (``ending``: a signal's stop, or the hang watchdog's).
-    A server found gone gets ``LEADER_GRACE`` for the log writer to follow it out: exit 0 is a server that shut
-    down on its own (vLLM's answer to a dead EngineCore, which start reports), anything else a killed one."""
+def _wait_server(s: Settings, rec: Record, proc: subprocess.Popen,
+                 ending: Callable[[], bool]) -> tuple[int | None, int | None, str]:
+    """Until the API server has exited: (its own exit status, None when unknown; the group leader's, None while it
+    runs; the processes the server left in the group). Without a log the server leads the group. With a log the
+    leader is the log writer, which outlives the server while its children keep the output pipe open (a killed
+    server can leave EngineCore holding it, and its memory): each second the server is looked for by its command
+    line, unless the group is being ended already (``ending``), and its status is what the log writer recorded."""
     while True:
         try:
-            return proc.wait(timeout=1.0), False
+            code = proc.wait(timeout=1.0)
+            return (_recorded_status(rec, wait=code >= 0) if s.log else code), code, ""
         except subprocess.TimeoutExpired:
             pass
         if ending() or server_alive(rec) or _stopped_by_rig(s, rec):
             continue
-        try:  # a server that exited on its own is followed by the log writer within its drain: exit 0 is no kill
-            code = proc.wait(timeout=LEADER_GRACE)
-        except subprocess.TimeoutExpired:
-            code = None
-        if code == 0:
-            return 0, False
-        error(problem("the engine's API server", "running while its engine runs", f"gone, leaving "
-                      f"{leftovers(rec) or 'nothing'} in its group (pid {rec.pgid})", "nothing by hand: the rig "
-                      "ends the group and exits 1, so systemd restarts it"))
-        terminate(rec.pgid, v.stop_timeout)
-        return (proc.wait() if code is None else code), True
+        return _recorded_status(rec, wait=True), None, leftovers(rec)
+
+
+def _recorded_status(rec: Record, wait: bool) -> int | None:
+    """The API server's exit status as the log writer recorded it, waiting up to ``STATUS_GRACE`` for it when
+    ``wait`` (a killed log writer records nothing); None when there is none."""
+    path = Path(rec.runtime) / STATUS_FILE
+    end = time.monotonic() + (STATUS_GRACE if wait else 0.0)
+    while True:
+        try:
+            return int(path.read_text().strip())
+        except (OSError, ValueError):
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.1)
 
 
 def _stopped_by_rig(s: Settings, rec: Record) -> bool:
@@ -357,10 +343,6 @@ def _watch(s: Settings, v: Serve, rec: Record, stopping: threading.Event) -> wat
     return watchdog.Watcher(s.host, s.port, v.hang_window, s.state_dir, engine_key(rec), on_hang, stopping,
                             say=say).start()
 
-
-def engine_key(rec: Record) -> str:
-    """Which engine a watchdog sample is of: a new engine, even on a reused pid, is not compared with the old."""
-    return f"{rec.pid}@{rec.started:.3f}"
 
 
 def _forward_signals(rec: Record) -> threading.Event:
@@ -401,6 +383,15 @@ def _api_check(s: Settings, v: Serve, rec: Record, deadline: float) -> Callable[
         return True, (f"http://{connect_host(s.host)}:{s.port}/v1, model {', '.join(v.names)} (a one-token "
                       "generation answered)"), True
     return check
+
+
+def wait_healthy(launch: Launch, spawned: Spawned, stopping: threading.Event) -> None:
+    """Until the engine is healthy (then the launch's ``on_ready``), stopped by a signal, or failed (WorkFailed)."""
+    s, rec = launch.s, spawned.rec
+    _wait_healthy(s, launch.v, rec, spawned.proc, spawned.lines, quiet=not s.log, stopping=stopping,
+                  probe=launch.probe, nodes_check=launch.nodes_check)
+    if launch.on_ready and rec.ready:
+        launch.on_ready()
 
 
 def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, lines: logs.Lines, quiet: bool,
@@ -461,63 +452,3 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
         time.sleep(POLL)
 
 
-def stop(s: Settings, v: Serve) -> int:
-    """This node's engine group, gracefully first, and no process of it left (``nox -s stop``, a worker's agent)."""
-    rec = load(s)
-    if rec is None:
-        say(f"not running (no live engine in {pid_path(s)}); nothing to stop")
-        return 0
-    t0 = time.monotonic()
-    rec.stopping = os.getpid()
-    save(s, rec)  # a foreground supervisor reads it: a stop, not a crash (exit 0, no restart)
-    members = group_members(rec.pgid)
-    say(f"stopping the engine: pid {rec.pid}, {len(members)} process(es) in its group; SIGTERM, then SIGKILL "
-        f"after {v.stop_timeout} s")
-    killed = terminate(rec.pgid, v.stop_timeout)
-    left = group_members(rec.pgid)
-    if left:
-        raise WorkFailed(problem(f"processes {', '.join(map(str, left))} of the engine", "none left after SIGKILL",
-                                 "they survived it (a GPU driver hang?) and still hold their GPU memory",
-                                 "check nvidia-smi"))
-    pid_path(s).unlink(missing_ok=True)
-    clear_runtime(s)
-    if rec.supervisor:  # a foreground supervisor (the unit's main process) exits 0 on its own: let it, first
-        end = time.monotonic() + 10
-        while alive(rec.supervisor) and time.monotonic() < end:
-            time.sleep(0.05)
-    how = f"SIGKILL needed for {len(killed)} process(es) that ignored SIGTERM" if killed else "clean SIGTERM"
-    say(f"stopped in {time.monotonic() - t0:.1f} s ({how}); no process of it is left")
-    return 0
-
-
-def terminate(pgid: int, timeout: float, extra: Callable[[], list[int]] | None = None) -> list[int]:
-    """SIGTERM the group, wait up to ``timeout``, SIGKILL what is left; return the pids it had to kill."""
-    members = group_members(pgid)
-    if not members:
-        return []
-    _signal_group(pgid, signal.SIGTERM)
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not group_members(pgid):
-            return []
-        time.sleep(0.1)
-    left = group_members(pgid)
-    _signal_group(pgid, signal.SIGKILL)
-    end = time.monotonic() + 5
-    while group_members(pgid) and time.monotonic() < end:
-        time.sleep(0.05)
-    return left
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def ago(t: float) -> str:
-    """How long ago ``t`` was, as 1h02m or 3m05s: the uptime status and a second start print."""
-    sec = int(time.time() - t)
-    h, rem = divmod(sec, 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"

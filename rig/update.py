@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
-from rig import config, control, slots, start, supervise
+from rig import config, control, enginerec, slots, start
 from rig.buildlock import BuildLock, held_alone
 from rig.config import Settings
 from rig.console import say, warn
@@ -38,8 +38,8 @@ class Engine:
 def direct(env: Mapping[str, str]) -> Engine:
     """The engine as ``./start.sh`` (detached) and ``nox -s stop`` run it, with ``env``'s settings."""
     def running() -> bool:
-        rec = supervise.load(config.settings(env))
-        return rec is not None and supervise.server_alive(rec)
+        rec = enginerec.load(config.settings(env))
+        return rec is not None and enginerec.server_alive(rec)
 
     def stop() -> None:
         control.stop(config.settings(env), config.serve_settings(env))

@@ -25,7 +25,7 @@ from conftest import ROOT, run_rig
 from fixture_upstream import FIXTURE_SETUP_PY
 from test_artifacts import FILES, built_tree
 
-from rig import artifacts, config, container, products, profiles, record, supervise, venvs
+from rig import artifacts, config, container, enginerec, products, profiles, record, venvs
 from rig import image as rig_image
 from rig.kernels.target import of_build
 from rig.steps import pipeline
@@ -672,7 +672,7 @@ def test_the_container_command_stops_cleanly_within_the_stop_grace_period(tmp_pa
     finally:
         proc.kill()
         if pgid:
-            supervise.terminate(pgid, 1)
+            enginerec.terminate(pgid, 1)
     assert proc.returncode == 0 and "engine stopped" in out, out
     assert "left 1 process(es) behind; they were stopped" in out  # the child that ignores SIGTERM: STOP_TIMEOUT
-    assert took < grace and not supervise.group_members(pgid)  # the engine's child (EngineCore) included
+    assert took < grace and not enginerec.group_members(pgid)  # the engine's child (EngineCore) included

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from conftest import run_rig
 
-from rig import config, engine, netif, supervise
+from rig import config, engine, enginerec, netif
 from rig.errors import BadInput
 from rig.nodes import client
 from rig.nodes import registry as nodes_registry
@@ -228,7 +228,7 @@ def stand_in(tmp_path):
     proc = subprocess.Popen(["/bin/sh", str(exe), "serve", str(ckpt)], start_new_session=True)
     state = tmp_path / "state"
     s = config.settings({"RIG_STATE": str(state)})
-    supervise.save(s, supervise.Record(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
+    enginerec.save(s, enginerec.Record(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
                                        started=time.time(), host="127.0.0.1", port=8000, model="demo", log="",
                                        ckpt=str(ckpt)))
     yield s, ckpt, proc

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -20,8 +21,9 @@ import psutil
 import pytest
 from conftest import ROOT, run_rig
 
-from rig import box, config, supervise
+from rig import box, config, enginerec, supervise
 from rig import start as starting
+from rig.engine import runtime_dir
 from rig.errors import BadInput
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
@@ -56,7 +58,7 @@ def rig_env(tmp_path):
     rec = tmp_path / "record.json"
     if rec.exists():
         pgid = json.loads(rec.read_text())["pgid"]
-        supervise.terminate(pgid, 1)
+        enginerec.terminate(pgid, 1)
 
 
 def start(env, *args, timeout=120):
@@ -81,7 +83,7 @@ def test_detached_start_status_stop(rig_env):
     assert "ready in" in r.out and "model qwen38, Hinata" in r.out
     assert "GPU KV cache size: 924,993 tokens" in r.out
     rec = record(env)
-    leader = supervise.load(config.settings(env))
+    leader = enginerec.load(config.settings(env))
     assert alive(rec["pid"]) and rec["pgid"] == leader.pgid != os.getpgid(0)  # its own process group
     # The key reaches the engine through its environment, never its command line.
     assert "sekrit-key" not in " ".join(rec["argv"]) and rec["env"]["VLLM_API_KEY"] == "sekrit-key"
@@ -102,7 +104,7 @@ def test_detached_start_status_stop(rig_env):
     sp = run_rig(env, "stop")
     assert sp.code == 0, sp.text
     assert "clean SIGTERM" in sp.out and "no process of it is left" in sp.out
-    assert not alive(rec["pid"]) and not supervise.group_members(rec["pgid"])
+    assert not alive(rec["pid"]) and not enginerec.group_members(rec["pgid"])
     assert "Shutting down" in Path(env["LOG"]).read_text()
     assert run_rig(env, "status").code == 3
     assert "nothing to stop" in run_rig(env, "stop").out
@@ -114,7 +116,7 @@ def test_models_answering_is_not_healthy(rig_env):
     assert r.code == 1, r.text
     assert "not healthy within START_TIMEOUT=4 s" in r.err and "HTTP 500" in r.err
     rec = record(env)
-    assert not supervise.group_members(rec["pgid"])  # the failed engine was stopped
+    assert not enginerec.group_members(rec["pgid"])  # the failed engine was stopped
     assert not (Path(env["RIG_STATE"]) / "engine.toml").exists()
 
 
@@ -139,8 +141,8 @@ def test_a_child_that_outlives_the_server_is_not_left_behind(rig_env):
     env = {**rig_env, "DOUBLE_CHILD": "1"}
     assert start(env).code == 0
     rec = record(env)
-    members = supervise.group_members(rec["pgid"])
-    leader = supervise.load(config.settings(env)).pid
+    members = enginerec.group_members(rec["pgid"])
+    leader = enginerec.load(config.settings(env)).pid
     child = next(p for p in members if p not in (rec["pid"], leader))
     os.kill(rec["pid"], signal.SIGKILL)  # the server alone, as a careless kill would
     time.sleep(0.3)
@@ -149,7 +151,7 @@ def test_a_child_that_outlives_the_server_is_not_left_behind(rig_env):
     assert st.code == 1 and "is gone, but processes of its group are left" in st.out and str(child) in st.out
     sp = run_rig(env, "stop")
     assert sp.code == 0, sp.text
-    assert not alive(child) and not supervise.group_members(rec["pgid"])
+    assert not alive(child) and not enginerec.group_members(rec["pgid"])
 
 
 def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 60) -> str:
@@ -173,7 +175,7 @@ def test_foreground_stops_cleanly_on_sigterm(rig_env, via):
     try:
         _wait_for(proc, "ready in")
         rec = record(rig_env)
-        saved = supervise.load(config.settings(rig_env))
+        saved = enginerec.load(config.settings(rig_env))
         assert saved and saved.supervisor and saved.pgid == rec["pgid"]
         proc.send_signal(signal.SIGTERM)  # what systemd's stop sends (KillMode=control-group: to every process)
         out, _ = proc.communicate(timeout=30)
@@ -181,7 +183,7 @@ def test_foreground_stops_cleanly_on_sigterm(rig_env, via):
         proc.kill()
     assert proc.returncode == 0, out
     assert "engine stopped" in out
-    assert not supervise.group_members(rec["pgid"])
+    assert not enginerec.group_members(rec["pgid"])
     assert not (Path(rig_env["RIG_STATE"]) / "engine.toml").exists()
 
 
@@ -209,7 +211,7 @@ def test_a_foreground_engine_stopped_by_nox_stop_is_a_stop_not_a_crash(rig_env):
 
     proc, out, rec = _foreground_then(rig_env, stop)
     assert proc.returncode == 0 and "engine stopped by nox -s stop" in out, out
-    assert not supervise.group_members(rec["pgid"])
+    assert not enginerec.group_members(rec["pgid"])
 
 
 def test_a_foreground_engine_that_dies_on_its_own_exits_non_zero(rig_env):
@@ -468,8 +470,8 @@ def test_the_next_start_finds_the_leftovers_of_a_killed_server_and_ends_them(rig
     env = {**rig_env, "DOUBLE_CHILD": "1"}
     assert start(env).code == 0
     rec = record(env)
-    leader = supervise.load(config.settings(env)).pid
-    child = next(p for p in supervise.group_members(rec["pgid"]) if p not in (rec["pid"], leader))
+    leader = enginerec.load(config.settings(env)).pid
+    child = next(p for p in enginerec.group_members(rec["pgid"]) if p not in (rec["pid"], leader))
     os.kill(rec["pid"], signal.SIGKILL)
     time.sleep(0.3)
     again = start({**env, "DOUBLE_CHILD": "0"})
@@ -480,3 +482,76 @@ def test_the_next_start_finds_the_leftovers_of_a_killed_server_and_ends_them(rig
         assert "ready in" in again.out
     finally:
         run_rig(env, "stop")
+
+
+def test_a_failed_start_leaves_no_process_of_its_group_and_no_runtime_folder(rig_env):
+    """The server exits while its child (EngineCore's stand-in, ignoring SIGTERM) stays: the whole group is ended
+    and its runtime folder removed before the start returns, so nothing of it can overlap the next start."""
+    env = {**rig_env, "DOUBLE_MODE": "crash", "DOUBLE_CHILD": "1", "LOG": ""}
+    r = start(env)
+    assert r.code == 1 and "exited with code 3" in r.err, r.text
+    rec = record(env)
+    assert not enginerec.group_members(rec["pgid"]), "the failed engine's child is left running"
+    run = runtime_dir(config.settings(env))
+    assert not run.exists(), sorted(p.name for p in run.rglob("*"))
+    assert Path(rec["env"]["VLLM_RPC_BASE_PATH"]).parent == run  # it had a runtime folder of its own
+
+
+def test_each_start_has_its_own_runtime_folder_and_ends_what_a_gone_engine_left_running_there(rig_env):
+    base = runtime_dir(config.settings(rig_env))
+    (base / "gone").mkdir(parents=True, mode=0o700)
+    base.chmod(0o700)
+    (base / "gone" / "socket-of-a-gone-engine").write_text("")
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                            env={**os.environ, "VLLM_RPC_BASE_PATH": str(base / "gone")})
+    try:
+        r = start(rig_env)
+        assert r.code == 0, r.text
+        assert "left 1 process(es) running and 2 file(s)" in r.out and "ended and removed" in r.out, r.out
+        assert left.wait(10) is not None
+        own = Path(record(rig_env)["env"]["TMPDIR"])
+        assert own.parent == base and own.name != "gone" and [p.name for p in base.iterdir()] == [own.name]
+        assert enginerec.load(config.settings(rig_env)).runtime == str(own)
+        assert run_rig(rig_env, "stop").code == 0
+        assert not base.exists()
+    finally:
+        left.kill()
+
+
+def test_a_runtime_folder_planted_as_a_link_in_tmp_is_refused_and_removing_it_clears_it(rig_env, tmp_path):
+    """A state path too long for a socket's name has its runtime folder in /tmp, where anyone can make the name
+    first: a link there is never followed."""
+    state = tmp_path / ("state-with-a-long-name-" + "x" * 60)
+    env = {**rig_env, "RIG_STATE": str(state)}
+    base = runtime_dir(config.settings(env))
+    assert str(base).startswith("/tmp/rig-run-")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    base.symlink_to(target)
+    try:
+        r = start(env)
+        assert r.code == 2 and str(base) in r.err and "a link" in r.err and f"remove {base}" in r.err, r.text
+        assert not list(target.iterdir())
+        base.unlink()  # the fix the refusal names
+        r = start(env)
+        assert r.code == 0, r.text
+        assert stat.S_IMODE(base.stat().st_mode) == 0o700 and not base.is_symlink()
+    finally:
+        run_rig(env, "stop")
+        if base.is_symlink():
+            base.unlink()
+
+
+@pytest.mark.parametrize("cards,want", [(1, "topology: TP1 x PP1 on cards 0: one card"),
+                                        (2, "topology: TP2 x PP1 + EP on cards 0,1"),
+                                        (4, "topology: TP2 x PP2 + EP on cards 0,1,2,3")])
+def test_the_tiny_reference_shape_dry_runs_on_1_2_and_4_cards(rig_env, monkeypatch, capsys, cards, want):
+    """The reference's settings on its tiny shape (models/reference-tiny.toml), on recorded box readings."""
+    env = {**rig_env, "PROFILE": "reference-tiny", "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(cards)))}
+    monkeypatch.setattr(box, "read_nvml", lambda: reading(cards))
+    assert starting.run(env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    out = capsys.readouterr().out
+    assert "profile: reference-tiny" in out and want in out, out
+    assert "--kv-cache-dtype fp8" in out and '"method": "mtp", "num_speculative_tokens": 3' in out, out
+    assert f'"max_cudagraph_capture_size": {4 * 4}' in out and "--max-model-len 262144" in out, out
+    assert ("--enable-expert-parallel" in out) == (cards > 1), out

@@ -606,9 +606,10 @@ def test_stop_leaves_no_process_of_the_engine(served):
     pgid = state["pgid"]
     assert engine_processes(pgid), "the engine runs before the stop"
     # vLLM's IPC sockets live in the engine's own runtime folder under the rig's state, not in /tmp
-    run = dest / ".rig" / "run"
-    sockets = [p.name for p in run.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
-    assert sockets, sorted(p.name for p in run.iterdir())
+    run, own = dest / ".rig" / "run", Path(state["runtime"])
+    assert own.parent == run.resolve() and stat.S_IMODE(own.stat().st_mode) == 0o700, own
+    sockets = [p.name for p in own.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets, sorted(p.name for p in own.iterdir())
     assert not [p for p in Path("/tmp").iterdir() if p.name in sockets]
     s = nox(dest, env, "-s", "stop")
     assert s.returncode == 0, s.stdout + s.stderr
@@ -740,7 +741,8 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
 
 KILLED = {  # which process a kill -9 takes, how it is found in the group, and the supervisor's words for it
     "API server": (lambda q: "serve" in (q.info["cmdline"] or [])[:3],
-                   "error: the engine's API server: expected running while its engine runs, found gone, leaving "),
+                   "error: the engine's API server: expected running while its engine runs, found gone: killed by "
+                   "SIGKILL, leaving "),
     "EngineCore": (lambda q: "VLLM::EngineCore" in (q.info["name"] or ""),
                    "error: the engine: expected running until it is stopped, found it ended on its own with exit 0"),
 }

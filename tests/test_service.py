@@ -18,7 +18,7 @@ import pytest
 import test_serve
 from conftest import ROOT, run_rig
 
-from rig import config, health, profiles, service, supervise, unitfile
+from rig import config, enginerec, health, profiles, service, unitfile
 from rig.unitfile import NotifySocket, commands
 from rig.unitfile import environment as unit_env
 from rig.unitfile import settings as settings_of
@@ -254,7 +254,7 @@ def test_the_compose_env_file_is_ignored_by_git():
 def engine_processes(pgid: int, ckpt: str) -> list[str]:
     """The engine's processes still there: by its process group, and by command line (the double's server, and
     its child named like vLLM's ``VLLM::EngineCore``)."""
-    left = [f"{p} (group {pgid})" for p in supervise.group_members(pgid)]
+    left = [f"{p} (group {pgid})" for p in enginerec.group_members(pgid)]
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if p.info["status"] != psutil.STATUS_ZOMBIE and ckpt in cmd and ("VLLM::" in cmd or "engine_double" in cmd):

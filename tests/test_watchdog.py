@@ -22,7 +22,7 @@ import pytest
 import test_serve
 from conftest import ROOT, run_rig
 
-from rig import config, sdnotify, supervise, watchdog
+from rig import config, enginerec, sdnotify, watchdog
 from rig.errors import BadInput
 from rig.watchdog import Sample, Tracker
 
@@ -269,12 +269,12 @@ def test_pid_files_of_older_and_newer_rigs_still_load(tmp_path):
     me = psutil.Process()
     old = (f'pid = {me.pid}\npgid = {os.getpgid(0)}\ncreate_time = {me.create_time()}\nstarted = 1.0\n'
            'host = "127.0.0.1"\nport = 8000\nmodel = "m"\nlog = ""\n')
-    supervise.pid_path(s).write_text(old)  # before the hang field (and before supervisor, ckpt, ...)
-    rec = supervise.load(s)
+    enginerec.pid_path(s).write_text(old)  # before the hang field (and before supervisor, ckpt, ...)
+    rec = enginerec.load(s)
     assert rec and rec.pid == me.pid and rec.hang == ""
-    supervise.pid_path(s).write_text(old + 'hang = "x"\nsomething_newer = 1\n')
-    rec = supervise.load(s)
-    assert rec and rec.hang == "x" and supervise.pid_path(s).exists()  # an unknown field is not a stale file
+    enginerec.pid_path(s).write_text(old + 'hang = "x"\nsomething_newer = 1\n')
+    rec = enginerec.load(s)
+    assert rec and rec.hang == "x" and enginerec.pid_path(s).exists()  # an unknown field is not a stale file
 
 
 @pytest.mark.parametrize("abstract", [True, False])
@@ -353,7 +353,7 @@ def test_the_foreground_supervisor_ends_a_hung_engine_and_exits_1(rig_env):
     assert proc.returncode == 1, out
     assert "error: the engine: expected a token within HANG_WINDOW=2 s while requests are pending" in out
     assert "found 2 request(s) pending and no token for" in out and "engine stopped by the hang watchdog" in out
-    assert not supervise.group_members(rec["pgid"]) and not engine_left(env["CKPT"])
+    assert not enginerec.group_members(rec["pgid"]) and not engine_left(env["CKPT"])
     assert not (Path(env["RIG_STATE"]) / "engine.toml").exists()
     assert "hang watchdog: hung: no tokens for" in Path(env["LOG"]).read_text()
     assert run_rig(env, "status").code == 3

@@ -9,7 +9,7 @@ adds what users trip over around it:
   :mod:`rig.nodes.registry` compares).
 * *Start order.* The head's registry (a small HTTP service on ``HEAD_ADDR:NODES_PORT``, in its own session:
   :mod:`rig.nodes.registry`) comes up first; workers wait for it and retry; the head starts its engine once
-  every worker has joined, and only then tells the workers to start theirs (the order is rig/start.py's).
+  every worker has joined, and only then tells the workers to start theirs (the order is :mod:`rig.nodes.part`'s).
 * *One stop.* Each worker runs an agent beside its engine (:mod:`rig.nodes.agent`): it beats to the registry
   every second with its engine's state, stops the engine when the head says so (or when the head is gone), and
   leaves. ``status`` on the head lists every node from those beats.

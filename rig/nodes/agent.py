@@ -2,7 +2,7 @@
 
 A worker's start spawns it (:func:`start`) in a session of its own, with the start's environment: it beats to
 the head's registry every second with its engine's state, and stops the engine when the head says so, or when
-it has lost the head for ``LOST`` seconds, with the rig's own stop (rig/supervise.py), then leaves. What it says
+it has lost the head for ``LOST`` seconds, with the rig's own stop (rig/enginerec.py), then leaves. What it says
 goes to ``RIG_STATE/agent.log``.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from rig import config, raycluster, supervise
+from rig import config, enginerec, raycluster
 from rig.config import Serve, Settings
 from rig.console import stamped
 from rig.nodes import client
@@ -30,10 +30,10 @@ def _local(s: Settings, v: Serve) -> tuple[bool, str] | None:
     """(this node's part runs, why not), or None when it has ended here (stopped on this node)."""
     if v.dist_backend == "ray":
         return (True, "") if raycluster.running() else (False, "its raylet is gone")
-    rec = supervise.load(s)
+    rec = enginerec.load(s)
     if rec is None:  # stopped here (nox -s stop on this node), or its whole group has ended
         return None
-    return (True, "") if supervise.server_alive(rec) else \
+    return (True, "") if enginerec.server_alive(rec) else \
         (False, f"its vllm serve --headless (group {rec.pgid}) is gone")
 
 
@@ -46,7 +46,7 @@ def _stop(s: Settings, v: Serve) -> None:
     """This node's engine, then its Ray (with Ray) and its role: what ``nox -s stop`` does on a worker."""
     role = client.load_role(s)
     try:
-        supervise.stop(s, v)
+        enginerec.stop(s, v)
     finally:
         if role:
             client.close(s, role)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import tomli_w
 
-from rig import REPO_ROOT, atomic, netif, raycluster, series, supervise
+from rig import REPO_ROOT, atomic, enginerec, netif, raycluster, series
 from rig.box import Check
 from rig.config import Serve, Settings
 from rig.console import say
@@ -162,7 +162,7 @@ def end_helper(s: Settings, timeout: float = 5.0) -> None:
     """End this node's registry or agent, and forget the role."""
     role = load_role(s)
     if role and role.pid != os.getpid() and _alive(role.pid, role.create_time):
-        supervise.terminate(role.pid, timeout)  # each runs in a session of its own: its pid is its group
+        enginerec.terminate(role.pid, timeout)  # each runs in a session of its own: its pid is its group
     role_path(s).unlink(missing_ok=True)
 
 
