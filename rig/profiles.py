@@ -7,6 +7,12 @@ decoding, the block-size and CUDA-graph rules, extra arguments and environment),
 the one-token health request, and the box it needs. Adding a model is adding one
 file: the loader checks every key and type, so a bad file stops with the file,
 the key, the expected and the found value.
+
+A profile may inherit: ``base = "reference"`` takes every key of that profile and
+overrides only what the file names (a table such as ``[box]`` key by key; an
+empty table removes the base's). So a profile made to run the reference's shape
+on a smaller box cannot drift from the reference's settings. An error names the
+file the key came from.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ DEFAULT = "reference"
 
 #: key -> (type, required, what it holds); the tables are checked key by key below.
 TOP: dict[str, tuple[type | tuple[type, ...], bool, str]] = {
+    "base": (str, False, "a profile whose every key this one takes, overriding only what it names"),
     "description": (str, True, "one line on the model"),
     "device": (str, True, "the build it needs: cuda or cpu"),
     "checkpoint": (str, True, "the default CKPT ({RIG_CACHE} is replaced)"),
@@ -49,6 +56,8 @@ BOX: dict[str, tuple[type | tuple[type, ...], str]] = {
     "cores": (int, "CPU cores"), "cpu_flags": (list, "CPU flags, e.g. [\"avx2\"]"),
 }
 DEVICES = ("cuda", "cpu")
+#: The tables a profile that inherits merges key by key with its base's (an empty one removes the base's).
+TABLES = ("speculative", "health", "env", "box")
 #: an abliteration direction set's name: a file in ABLITERATION_DIR, never a path out of it
 SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
@@ -89,6 +98,7 @@ class Profile:
     health: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     box: Box = Box()
+    base: str = ""  # the profile it inherits from, if any
 
     def checkpoint_path(self, cache: Path) -> Path:
         return Path(self.checkpoint.replace("{RIG_CACHE}", str(cache))).expanduser()
@@ -109,12 +119,7 @@ def _typed(path: Path, key: str, value: object, kind: type | tuple[type, ...], w
         raise _bad(path, key, f"a {want} ({what})", value, f"write {key} as a {want}")
 
 
-def load(name: str, folder: Path = MODELS_DIR) -> Profile:
-    """The profile ``name`` from ``folder``, every key checked."""
-    path = Path(folder) / f"{name}.toml"
-    if not path.is_file():
-        raise BadInput(problem(f"PROFILE={name}", f"one of the profiles in {folder}: {', '.join(names(folder))}",
-                               "no such profile", f"set PROFILE to one of them, or add {path}"))
+def _read(path: Path) -> dict:
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
@@ -123,29 +128,77 @@ def load(name: str, folder: Path = MODELS_DIR) -> Profile:
         if key not in TOP:
             raise _bad(path, key, f"one of the keys {', '.join(TOP)}", key, f"remove {key}, or fix its spelling")
         _typed(path, key, value, TOP[key][0], TOP[key][2])
+    return data
+
+
+def _inherited(path: Path, folder: Path, chain: tuple[str, ...] = ()) -> tuple[dict, dict[str, Path]]:
+    """The keys of the profile at ``path`` over those of its base, recursively, and the file each key came from
+    (``box.gpus`` for a table's key)."""
+    data = _read(path)
+    origin = {k: path for k in data} | {f"{k}.{sub}": path for k in TABLES if isinstance(data.get(k), dict)
+                                        for sub in data[k]}
+    base = data.pop("base", None)
+    if base is None:
+        return data, origin
+    chain = (*chain, path.stem)
+    if base in chain:
+        raise _bad(path, "base", "a chain of profiles that ends", base, "remove base from one of the profiles of "
+                   f"the cycle {' -> '.join((*chain, base))}")
+    if not (Path(folder) / f"{base}.toml").is_file():
+        raise _bad(path, "base", f"one of the profiles in {folder}: {', '.join(names(folder))}", base,
+                   f"set base to one of them, or add {Path(folder) / f'{base}.toml'}")
+    parent, where = _inherited(Path(folder) / f"{base}.toml", folder, chain)
+    if "device" in data and "device" in parent and data["device"] != parent["device"]:
+        raise _bad(path, "device", f"{parent['device']!r}, the device of its base {where['device']}", data["device"],
+                   f"remove device from {path.name} (it takes its base's), or choose a base of device "
+                   f"{data['device']!r}")
+    merged = {**parent, **data}
+    for k in TABLES:
+        if data.get(k) and isinstance(parent.get(k), dict):
+            merged[k] = {**parent[k], **data[k]}
+    return merged, {**where, **origin}
+
+
+def load(name: str, folder: Path = MODELS_DIR) -> Profile:
+    """The profile ``name`` from ``folder``, with what it inherits, every key checked."""
+    path = Path(folder) / f"{name}.toml"
+    if not path.is_file():
+        raise BadInput(problem(f"PROFILE={name}", f"one of the profiles in {folder}: {', '.join(names(folder))}",
+                               "no such profile", f"set PROFILE to one of them, or add {path}"))
+    base = _read(path).get("base", "")
+    data, origin = _inherited(path, folder)
+    return _profile(name, path, base, data, origin)
+
+
+def _profile(name: str, path: Path, base: str, data: dict, origin: dict[str, Path]) -> Profile:
+    """The checked profile from its merged keys (``origin``: the file each came from, for the errors)."""
+    def at(key: str) -> Path:
+        return origin.get(key, path)
+
     for key, (_, required, what) in TOP.items():
         if required and key not in data:
             raise _bad(path, key, f"a value ({what})", None, f"add {key} to {path.name}")
     if data["device"] not in DEVICES:
-        raise _bad(path, "device", "cuda or cpu", data["device"], "set device = \"cuda\" or \"cpu\"")
+        raise _bad(at("device"), "device", "cuda or cpu", data["device"], "set device = \"cuda\" or \"cpu\"")
     if data.get("block_size", "") not in ("", "max_batched_tokens"):
-        raise _bad(path, "block_size", "max_batched_tokens, or empty", data["block_size"],
+        raise _bad(at("block_size"), "block_size", "max_batched_tokens, or empty", data["block_size"],
                    "set block_size = \"max_batched_tokens\" or remove it")
     for key in ("scales", "extra_args"):
         if not all(isinstance(x, str) for x in data.get(key, [])):
-            raise _bad(path, key, "a list of strings", data[key], f"write {key} as [\"...\", ...]")
+            raise _bad(at(key), key, "a list of strings", data[key], f"write {key} as [\"...\", ...]")
     if not all(isinstance(v, str) for v in data.get("env", {}).values()):
-        raise _bad(path, "env", "a table of strings", data["env"], "quote every value of [env]")
+        raise _bad(at("env"), "env", "a table of strings", data["env"], "quote every value of [env]")
     if data.get("abliteration") and not SET_NAME.match(data["abliteration"]):
-        raise _bad(path, "abliteration", "a direction set's name in ABLITERATION_DIR (letters, digits, . _ + -)",
-                   data["abliteration"], "write the file's name without its folder, or remove the key")
+        raise _bad(at("abliteration"), "abliteration", "a direction set's name in ABLITERATION_DIR (letters, "
+                   "digits, . _ + -)", data["abliteration"], "write the file's name without its folder, or remove the "
+                   "key")
     box = data["box"]
     for key, value in box.items():
         if key not in BOX:
-            raise _bad(path, f"box.{key}", f"one of the keys {', '.join(BOX)}", key, f"remove box.{key}")
-        _typed(path, f"box.{key}", value, BOX[key][0], BOX[key][1])
+            raise _bad(at(f"box.{key}"), f"box.{key}", f"one of the keys {', '.join(BOX)}", key, f"remove box.{key}")
+        _typed(at(f"box.{key}"), f"box.{key}", value, BOX[key][0], BOX[key][1])
     if "cuda" in box and not re.fullmatch(r"\d+\.\d+", box["cuda"]):
-        raise _bad(path, "box.cuda", "a CUDA version like 13.0", box["cuda"], "write cuda = \"13.0\"")
+        raise _bad(at("box.cuda"), "box.cuda", "a CUDA version like 13.0", box["cuda"], "write cuda = \"13.0\"")
     cuda = tuple(int(x) for x in box["cuda"].split(".")) if "cuda" in box else (0, 0)
     return Profile(
         name=name, path=path, description=data["description"], device=data["device"],
@@ -159,4 +212,4 @@ def load(name: str, folder: Path = MODELS_DIR) -> Profile:
         box=Box(gpus=box.get("gpus", 0), gpu_memory_gb=float(box.get("gpu_memory_gb", 0)), cuda=cuda,
                 ram_gib=float(box.get("ram_gib", 0)), shm_gb=float(box.get("shm_gb", 0)),
                 disk_gb=float(box.get("disk_gb", 0)), cores=box.get("cores", 0),
-                cpu_flags=tuple(box.get("cpu_flags", ()))))
+                cpu_flags=tuple(box.get("cpu_flags", ()))), base=base)

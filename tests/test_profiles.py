@@ -70,3 +70,72 @@ def test_the_engine_command_is_the_profiles():
     assert "--speculative-config" not in dm.argv and "--enforce-eager" in dm.argv
     assert dm.env["VLLM_TARGET_DEVICE"] == "cpu" and dm.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "CUDA_VISIBLE_DEVICES" not in dm.env and dm.argv[0].endswith(".venv-cpu/bin/vllm")
+
+
+# -- inheritance ------------------------------------------------------------------------------------------------
+
+#: What the tiny reference-shaped profile may name itself: the checkpoint, what describes it, and the box it needs.
+TINY_MAY_SET = {"base", "description", "checkpoint", "box.gpus", "box.gpu_memory_gb", "box.ram_gib"}
+
+
+def _keys(data: dict) -> dict[str, object]:
+    return {f"{k}.{sub}" if isinstance(v, dict) else k: (v[sub] if isinstance(v, dict) else v)
+            for k, v in data.items() for sub in (v if isinstance(v, dict) else [None])}
+
+
+def test_the_tiny_reference_profile_is_the_references_own_but_for_what_must_shrink():
+    import tomllib
+
+    tiny, ref = profiles.load("reference-tiny"), profiles.load("reference")
+    own = _keys(tomllib.loads(tiny.path.read_text()))
+    assert set(own) <= TINY_MAY_SET, f"set without need: {sorted(set(own) - TINY_MAY_SET)}"
+    base = _keys(tomllib.loads(ref.path.read_text()))
+    assert [k for k in own if k in base and own[k] == base[k]] == [], "set to the reference's own value"
+    assert tiny.base == "reference" and tiny.box.gpus == 1 and tiny.box.cuda == ref.box.cuda
+    for field in ("device", "kv_cache_dtype", "scales", "speculative", "block_size", "cudagraph_tokens_per_seq",
+                  "health", "max_model_len", "served_name", "service_name", "extra_args", "env", "abliteration"):
+        assert getattr(tiny, field) == getattr(ref, field), field
+
+
+def _files(tmp_path: Path, **texts: str) -> Path:
+    for name, text in texts.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+    return tmp_path
+
+
+def test_a_profile_takes_every_key_of_its_base_and_merges_its_tables(tmp_path):
+    folder = _files(tmp_path, top=GOOD + 'cuda = "13.0"\n[env]\nA = "1"\n',
+                    mid='base = "top"\nmax_model_len = 1024\n[box]\ngpus = 2\n',
+                    low='base = "mid"\ndescription = "low"\n[env]\nB = "2"\n')
+    low = profiles.load("low", folder)
+    assert (low.description, low.max_model_len, low.box.gpus, low.box.cuda) == ("low", 1024, 2, (13, 0))
+    assert low.env == {"A": "1", "B": "2"} and low.served_name == "m" and low.base == "mid"
+    gone = profiles.load("x", _files(tmp_path, x='base = "top"\nenv = {}\n'))
+    assert gone.env == {}  # an empty table removes the base's
+
+
+@pytest.mark.parametrize("texts,file,key,want", [
+    ({"a": 'base = "nosuch"\n'}, "a", "base", "one of the profiles in"),
+    ({"a": 'base = "b"\n', "b": 'base = "a"\n'}, "b", "base", "the cycle a -> b -> a"),
+    ({"a": 'base = "a"\n'}, "a", "base", "the cycle a -> a"),
+    ({"a": 'base = "top"\ndevice = "cpu"\n'}, "a", "device", "'cuda', the device of its base"),
+    ({"a": 'base = "top"\nmax_model_len = "long"\n'}, "a", "max_model_len", "a int"),
+    ({"a": 'base = "broken"\n', "broken": GOOD.replace("max_model_len = 4096", "max_model_len = []")}, "broken",
+     "max_model_len", "a int"),
+    ({"a": 'base = "top"\n[box]\ngpus = "two"\n'}, "a", "box.gpus", "a int"),
+    ({"a": 'base = 3\n'}, "a", "base", "a str"),
+])
+def test_bad_inheritance_names_the_file_and_the_key(tmp_path, texts, file, key, want):
+    folder = _files(tmp_path, top=GOOD, **texts)
+    with pytest.raises(BadInput) as e:
+        profiles.load("a", folder)
+    assert e.value.code == 2 and f"{folder / (file + '.toml')}: {key}" in e.value.message, e.value.message
+    assert want in e.value.message and "Fix:" in e.value.message, e.value.message
+
+
+def test_following_the_fix_of_a_bad_base_clears_it(tmp_path):
+    folder = _files(tmp_path, top=GOOD, a='base = "nosuch"\n')
+    with pytest.raises(BadInput):
+        profiles.load("a", folder)
+    (folder / "a.toml").write_text('base = "top"\n')  # "set base to one of them"
+    assert profiles.load("a", folder).served_name == "m"

@@ -62,6 +62,11 @@ def parsed(fresh) -> tuple[dict[str, list[str]], dict[str, dict]]:
     v = config.serve_settings({"MODEL_NAME": "qwen38-flash-next Hinata"}, root=dest)
     four = topology.choose([0, 1, 2, 3], {(a, b): "not supported" for a in range(4) for b in range(4) if a != b})
     argvs = {"reference": engine.command(s, v, four, Path("/models/scales.json"), ref).argv}
+    tiny = profiles.load("reference-tiny")  # the reference's shape in miniature, on 1, 2 and 4 cards
+    for cards in (1, 2, 4):
+        t = topology.choose(list(range(cards)), {(a, b): "not supported" for a in range(cards) for b in range(cards)
+                                                 if a != b})
+        argvs[f"tiny-{cards}"] = engine.command(s, v, t, Path("/models/scales.json"), tiny).argv
     two = topology.across([([0, 1, 2, 3], {})] * 2, layers=48)
     for backend, rank in NODES:
         v = config.serve_settings({"NODES": "2", "NODE_RANK": rank, "HEAD_ADDR": "10.0.0.1", "HEAD_PORT": "29601",
@@ -87,6 +92,16 @@ def test_the_engine_command_parses_under_the_real_vllm_serve_parser(fresh, parse
     assert got["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     assert "'max_cudagraph_capture_size': 16" in got["compilation_config"]
     assert got["api_key"] is None and (got["host"], got["port"]) == ("127.0.0.1", 8000)
+
+
+@pytest.mark.parametrize("cards,sizes", [(1, (1, 1, False)), (2, (2, 1, True)), (4, (2, 2, True))])
+def test_the_tiny_reference_shapes_commands_parse_under_the_real_vllm_serve_parser(parsed, cards, sizes):
+    got = parsed[1][f"tiny-{cards}"]
+    assert "error" not in got, got
+    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"], got["enable_expert_parallel"]) == sizes
+    assert got["kv_cache_dtype"] == "fp8" and got["speculative_config"] == {"method": "mtp",
+                                                                           "num_speculative_tokens": 3}
+    assert "'max_cudagraph_capture_size': 16" in got["compilation_config"] and got["max_model_len"] == 262144
 
 
 @pytest.mark.parametrize("backend,rank", NODES)
