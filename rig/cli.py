@@ -241,7 +241,7 @@ def _logs_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _logs(a: Args) -> int:
-    return _use("logs").show(config.settings(), a.follow, a.lines, a.since, a.file)
+    return _use("logview").show(config.settings(), a.follow, a.lines, a.since, a.file)
 
 
 def _service_arguments(p: argparse.ArgumentParser) -> None:

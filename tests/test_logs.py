@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from rig import logs
+from rig import logs, logview
 
 STATS = ("Engine 000: Avg prompt throughput: 2254.6 tokens/s, Avg generation throughput: 131.8 tokens/s, "
          "Running: 4 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.2%, Prefix cache hit rate: 38.5%")
@@ -50,11 +50,12 @@ def test_the_series_counters_are_read_field_by_field_and_shown():
     ev = logs.parse(line(msg))
     assert ev.data["guard_token_ids"] == 2 and ev.data["guard_positions"] == 0 and ev.data["guard_sampling"] == 1
     assert ev.data["abliteration"] == "my-set.v2"
-    shown = logs.render(ev, None, logs.Palette(False))
+    shown = logview.render(ev, None, logview.Palette(False))
     assert shown.endswith("prefix hit 38.5%  guard 2/0/1  abl my-set.v2"), shown
-    off = logs.render(logs.parse(line(STATS + ", Guard token_ids: 0, Abliteration: off")), None, logs.Palette(False))
+    off = logview.render(logs.parse(line(STATS + ", Guard token_ids: 0, Abliteration: off")), None,
+                         logview.Palette(False))
     assert off.endswith("guard 0/0/0  abl off"), off
-    assert "guard" not in logs.render(logs.parse(line(STATS)), None, logs.Palette(False))
+    assert "guard" not in logview.render(logs.parse(line(STATS)), None, logview.Palette(False))
 
 
 def test_spec_and_capacity_lines():
@@ -84,7 +85,7 @@ def test_garbage_and_half_lines_do_not_crash():
 
 def render_all(raw: list[str]) -> tuple[list[str], dict]:
     counts = {"stats": 0, "unparsed": 0}
-    out = list(logs.lines_of((logs.parse(x) for x in raw), logs.Palette(False), counts))
+    out = list(logview.lines_of((logs.parse(x) for x in raw), logview.Palette(False), counts))
     return out, counts
 
 
@@ -168,7 +169,7 @@ def test_follow_reads_what_a_copytruncate_cut_off_from_the_copy(tmp_path):
     # the line written after the reader's last read and before the truncation is only in <log>.1
     f = tmp_path / "vllm.log"
     f.write_text("first\n")
-    lines = logs.follow(f, 0, poll=0.01, stop=5)
+    lines = logview.follow(f, 0, poll=0.01, stop=5)
     assert next(lines) is None  # at the end, nothing new
     with open(f, "a") as fh:
         fh.write("second\n")
@@ -189,7 +190,7 @@ def test_follow_copytruncate_without_a_matching_copy_replays_nothing(tmp_path):
     f = tmp_path / "vllm.log"
     f.write_text("first line of the day\n")
     (tmp_path / "vllm.log.1").write_text("yesterday, line one\nyesterday, line two\n")
-    lines = logs.follow(f, 0, poll=0.01, stop=5)
+    lines = logview.follow(f, 0, poll=0.01, stop=5)
     assert next(lines) is None
     os.truncate(f, 0)
     with open(f, "a") as fh:
