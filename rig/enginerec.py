@@ -242,6 +242,27 @@ def already_running(rec: Record, attached: bool) -> None:
     say(running_message(rec))
 
 
+def create_time(pid: int) -> float:
+    """psutil's start time of ``pid`` (0.0 when it is gone): with the pid, what names a process for good."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def stopped_by_rig(s: Settings, rec: Record) -> bool:
+    """Whether ``nox -s stop`` ended this engine (the unit's ExecStop, or a second terminal): it marks the pid
+    file before it signals, and removes it when done. Asked before this supervisor removes the file itself
+    (only the stop and this supervisor remove it), so an engine that died on its own is not taken for a stop."""
+    try:
+        data = tomllib.loads(pid_path(s).read_text())
+    except FileNotFoundError:
+        return True
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return data.get("pid") != rec.pid or bool(data.get("stopping"))
+
+
 def engine_key(rec: Record) -> str:
     """Which engine a watchdog sample is of: a new engine, even on a reused pid, is not compared with the old."""
     return f"{rec.pid}@{rec.started:.3f}"

@@ -225,6 +225,25 @@ def _next_number(files: list[Path]) -> int:
     return max((int(p.name[:4]) for p in files), default=0) + 1
 
 
+def _commits_as_patches(repo: Git, since: str, folder: Path, n: int, name: str) -> list[str]:
+    """The commits after ``since`` as patches ``NNNN-name[-i].patch`` in ``folder``, numbered from ``n``, each
+    written atomically; refused before any is written when a name is taken."""
+    tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=folder))
+    try:
+        repo.run("format-patch", "--quiet", "--zero-commit", "-o", str(tmp), f"{since}..HEAD")
+        made = sorted(tmp.glob("*.patch"))
+        names = [f"{n + i:04d}-{name}.patch" if len(made) == 1 else f"{n + i:04d}-{name}-{i + 1}.patch"
+                 for i in range(len(made))]
+        for nm in names:
+            if (folder / nm).exists():
+                raise BadInput(problem(f"{folder / nm}", "a new file", "it exists", "choose another NAME"))
+        for p, nm in zip(made, names, strict=True):
+            atomic.write_bytes(folder / nm, p.read_bytes())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names
+
+
 def new(ctx: Context, name: str) -> int:
     """``nox -s patches -- new NAME``: the commits on top of the series in vllm/, as the next patches."""
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$", name):
@@ -246,21 +265,7 @@ def new(ctx: Context, name: str) -> int:
             raise BadInput(problem(f"{s.vllm_dir}", "commits on top of the series", "none",
                                    "commit your change in vllm/ with git, then run new again"))
         wanted = repo.rev("HEAD^{tree}")
-        n = _next_number(files)
-        tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=s.patches_dir))
-        try:
-            repo.run("format-patch", "--quiet", "--zero-commit", "-o", str(tmp), f"{rec.head}..HEAD")
-            made = sorted(tmp.glob("*.patch"))
-            names = [f"{n + i:04d}-{name}.patch" if len(made) == 1 else f"{n + i:04d}-{name}-{i + 1}.patch"
-                     for i in range(len(made))]
-            for nm in names:
-                if (s.patches_dir / nm).exists():
-                    raise BadInput(problem(f"{s.patches_dir / nm}", "a new file", "it exists",
-                                           "choose another NAME"))
-            for p, nm in zip(made, names, strict=True):
-                atomic.write_bytes(s.patches_dir / nm, p.read_bytes())
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        names = _commits_as_patches(repo, rec.head, s.patches_dir, _next_number(files), name)
         say(f"exported {len(names)} commit(s): {', '.join(names)}")
         try:
             built = worktree.build(s, sr, series.patch_files(s.patches_dir), repo, rec, accept=True)

@@ -19,13 +19,10 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
-
-import psutil
 
 from rig import REPO_ROOT, logs, sdnotify, watchdog
 from rig.buildlock import held_alone
@@ -36,6 +33,7 @@ from rig.enginerec import (
     Record,
     already_running,
     clear_runtime,
+    create_time,
     engine_key,
     group_members,
     leftovers,
@@ -44,6 +42,7 @@ from rig.enginerec import (
     pid_path,
     save,
     server_alive,
+    stopped_by_rig,
     terminate,
 )
 from rig.errors import WorkFailed, problem
@@ -165,7 +164,7 @@ def spawn(launch: Launch) -> Spawned | None:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.DEVNULL if s.log else subprocess.STDOUT, env=env, cwd=s.root,
                                 start_new_session=True)
-        rec = Record(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid), started=time.time(),
+        rec = Record(pid=proc.pid, pgid=proc.pid, create_time=create_time(proc.pid), started=time.time(),
                      host=s.host, port=s.port, model=v.names[0], log=s.log,
                      supervisor=os.getpid() if launch.foreground else 0, health=json.dumps(launch.health),
                      ckpt=str(s.ckpt), runtime=str(own))
@@ -258,7 +257,7 @@ def supervise(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, stoppi
     watch = _watch(s, v, rec, stopping) if v.hang_window and rec.ready else None
     hung = lambda: bool(watch and watch.hang)  # noqa: E731 - read again at each look
     status, leader, orphans = _wait_server(s, rec, proc, lambda: stopping.is_set() or hung())
-    by_rig = _stopped_by_rig(s, rec)  # before this supervisor removes the pid file itself
+    by_rig = stopped_by_rig(s, rec)  # before this supervisor removes the pid file itself
     if watch:
         watch.stop(v.stop_timeout + 10)  # a hang being handled: its terminate() finishes first
     leftover = terminate(rec.pgid, v.stop_timeout)  # what the server left behind
@@ -288,7 +287,7 @@ def _wait_server(s: Settings, rec: Record, proc: subprocess.Popen,
             return (_recorded_status(rec, wait=code >= 0) if s.log else code), code, ""
         except subprocess.TimeoutExpired:
             pass
-        if ending() or server_alive(rec) or _stopped_by_rig(s, rec):
+        if ending() or server_alive(rec) or stopped_by_rig(s, rec):
             continue
         return _recorded_status(rec, wait=True), None, leftovers(rec)
 
@@ -305,19 +304,6 @@ def _recorded_status(rec: Record, wait: bool) -> int | None:
             if time.monotonic() >= end:
                 return None
             time.sleep(0.1)
-
-
-def _stopped_by_rig(s: Settings, rec: Record) -> bool:
-    """Whether ``nox -s stop`` ended this engine (the unit's ExecStop, or a second terminal): it marks the pid
-    file before it signals, and removes it when done. Asked before this supervisor removes the file itself
-    (only the stop and this supervisor remove it), so an engine that died on its own is not taken for a stop."""
-    try:
-        data = tomllib.loads(pid_path(s).read_text())
-    except FileNotFoundError:
-        return True
-    except (OSError, tomllib.TOMLDecodeError):
-        return False
-    return data.get("pid") != rec.pid or bool(data.get("stopping"))
 
 
 def _watch(s: Settings, v: Serve, rec: Record, stopping: threading.Event) -> watchdog.Watcher:
@@ -361,13 +347,6 @@ def _forward_signals(rec: Record) -> threading.Event:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, handler)
     return stopping
-
-
-def _create_time(pid: int) -> float:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
-        return 0.0
 
 
 def _api_check(s: Settings, v: Serve, rec: Record, deadline: float) -> Callable[[], tuple[bool, str, bool]]:

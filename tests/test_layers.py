@@ -178,3 +178,30 @@ def test_the_voice_check_sees_a_print_and_free_text(tmp_path):
                    "sys.stderr.write('x')\n")
     assert voice_breaks(bad) == ["bad.py:1 print()", "bad.py:2 WorkFailed with free text",
                                  "bad.py:4 sys.stderr.write()"]
+
+
+# -- small pieces ------------------------------------------------------------------------------------------------
+
+MODULE_LINES, FUNCTION_LINES = 450, 60
+
+
+def sizes(root: Path) -> list[str]:
+    """Modules over MODULE_LINES lines and functions over FUNCTION_LINES, as ``path: what``."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        text = p.read_text()
+        if (n := len(text.splitlines())) > MODULE_LINES:
+            out.append(f"{p.relative_to(root)}: {n} lines")
+        for f in ast.walk(ast.parse(text)):
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.end_lineno - f.lineno >= FUNCTION_LINES:
+                out.append(f"{p.relative_to(root)}: {f.name}() {f.end_lineno - f.lineno + 1} lines")
+    return out
+
+
+def test_no_module_over_450_lines_and_no_function_over_60():
+    assert sizes(RIG) == []
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    (tmp_path / "long.py").write_text("def f():\n" + "    x = 1\n" * 60)
+    assert sizes(tmp_path) == ["long.py: f() 61 lines"]
