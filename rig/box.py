@@ -10,6 +10,7 @@ PCIe link, power limit and P2P status of every card: what a bug report wants.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import shutil
@@ -247,6 +248,8 @@ def model_checks(s: Settings, p: Profile) -> list[Check]:
         return [Check("checkpoint", "fail", f"{ckpt}/config.json", "no config.json",
                       "point CKPT at the checkpoint folder itself")]
     out = [Check("checkpoint", "pass", "a folder with config.json", str(ckpt))]
+    if s.device == "cpu":
+        out += cpu_engine_checks(ckpt, p)
     if not p.scales and not s.scales:
         return out  # the profile's KV cache needs no scales sidecar
     if s.scales:
@@ -266,6 +269,19 @@ def model_checks(s: Settings, p: Profile) -> list[Check]:
                          "copy this checkpoint's FP8 KV scales there, or set SCALES "
                          "(another checkpoint's will not do)"))
     return out
+
+
+def cpu_engine_checks(ckpt: Path, p: Profile) -> list[Check]:
+    """What vLLM's CPU build cannot run of this model and profile (rig/cpuinfo.py's engine_gaps): each a failed
+    check, before any engine starts, instead of a traceback minutes into its start."""
+    try:
+        config = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # the checkpoint check above names an unreadable one; vLLM names a malformed one
+    fix = (f"serve {p.name} on the CUDA build (a GPU box), or make a profile of your own with base = \"{p.name}\" "
+           "that leaves it out (speculative = {} removes the speculative decoding)")
+    return [Check("CPU engine", "fail", f"{what}: something vLLM's CPU build runs", why, fix)
+            for what, why in cpuinfo.engine_gaps(config if isinstance(config, dict) else {}, p.speculative)]
 
 
 def abliteration_file(v: Serve) -> Path | None:

@@ -555,3 +555,42 @@ def test_the_tiny_reference_shape_dry_runs_on_1_2_and_4_cards(rig_env, monkeypat
     assert "--kv-cache-dtype fp8" in out and '"method": "mtp", "num_speculative_tokens": 3' in out, out
     assert f'"max_cudagraph_capture_size": {4 * 4}' in out and "--max-model-len 262144" in out, out
     assert ("--enable-expert-parallel" in out) == (cards > 1), out
+
+
+TINY_CONFIG = {"architectures": ["Qwen3NextForCausalLM"], "num_experts": 8,
+               "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}}
+
+
+def test_the_tiny_reference_shape_on_the_cpu_build_stops_before_the_engine_naming_what_it_lacks(rig_env):
+    (Path(rig_env["CKPT"]) / "config.json").write_text(json.dumps(TINY_CONFIG))
+    r = run_rig({**rig_env, "PROFILE": "reference-tiny", "DEVICE": "cpu"}, "start", "--no-build")
+    assert r.code == 2, r.text
+    assert "CPU engine: expected speculative decoding ([speculative] method 'mtp')" in r.err, r.err
+    assert "spec-decode Triton kernels" in r.err and "serve reference-tiny on the CUDA build" in r.err, r.err
+    assert not Path(rig_env["DOUBLE_RECORD"]).exists()  # no engine was started
+
+
+def test_following_the_cpu_engines_fix_clears_it(tmp_path):
+    """The fix: a profile of one's own on the same base without [speculative]."""
+    import shutil
+
+    from rig import profiles
+
+    for name in ("reference", "reference-tiny"):
+        shutil.copy(profiles.MODELS_DIR / f"{name}.toml", tmp_path)
+    (tmp_path / "tiny-no-mtp.toml").write_text('base = "reference-tiny"\nspeculative = {}\n')
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(TINY_CONFIG))
+    with_mtp, without = (box.cpu_engine_checks(ckpt, profiles.load(n, tmp_path)) for n in ("reference-tiny",
+                                                                                         "tiny-no-mtp"))
+    assert [c.name for c in with_mtp] == ["CPU engine"] and without == []
+
+
+def test_the_int4_moe_needs_amx_on_the_cpu():
+    from rig import cpuinfo
+
+    gaps = cpuinfo.engine_gaps(TINY_CONFIG, {}, ["avx2", "avx512f"])
+    assert len(gaps) == 1 and "needs AMX" in gaps[0][1] and "8 experts" in gaps[0][0]
+    assert cpuinfo.engine_gaps(TINY_CONFIG, {}, ["avx512f", "amx_tile"]) == []
+    assert cpuinfo.engine_gaps({"num_experts": 8}, {}, ["avx2"]) == []  # BF16 experts: vLLM's CPU MoE runs them
