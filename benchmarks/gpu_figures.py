@@ -4,18 +4,23 @@
 # ///
 """The rig on a GPU against the bare engine, in one run on the card (docs/gpu.md quotes it).
 
-  python3 benchmarks/gpu_figures.py [--build] [--quick] [--out FILE]   (on the GPU box; TORCH/PYTHON/OFFLINE as
-                                                                         the build has them)
---quick: one decode round instead of three.
+  python3 benchmarks/gpu_figures.py [--profile P] [--build] [--pairs N] [--tokens N] [--out FILE]
+      (on the GPU box; TORCH/PYTHON/OFFLINE as the build has them; --quick: few, short rounds)
 
 Each figure is a ratio against a baseline of the same run:
 (0) --build: ``./build.sh`` on this (fresh) checkout, then again: the first build's time against the no-op's.
-    With OFFLINE set it installs from the bundle alone (the GPU box of docs/gpu.md has no network at all).
-(a) ``./start.sh --demo`` to healthy with a warm compile cache, against bare ``vllm serve`` of the same command
-    and environment (the rig's own plan) polled with one-token requests every 0.5 s: target <= 1.05x.
+(a) ``./start.sh`` (PROFILE, default demo-gpu) to healthy with a warm compile cache, against bare ``vllm serve``
+    of the same command and environment (the rig's own plan) polled with one-token requests every 0.5 s:
+    target <= 1.05x.
 (b) the warm ``./start.sh`` against the cold one (an empty CACHE_ROOT): target <= 0.6x.
-(c) decode tokens/s through the rig's engine against the bare one, at concurrency 1 and 4 (256 tokens a request,
-    the median of 3 rounds): the rig adds nothing to the data path, so 1.00x within noise.
+(c) decode tokens/s through the rig's engine against the bare one, at concurrency 1 and 4. Both engines run at
+    once on the card (the profile with ``memory_utilization`` 0.28 each), and the rounds alternate rig, bare,
+    bare, rig ... so a drift of the card's clocks falls on both: each pair gives a ratio, and the figure is the
+    pairs' median with their spread (the half-width of the middle half): the rig adds nothing to the data path,
+    so 1.00x, and a spread above 2% says the run cannot tell 2% apart (more pairs or longer answers).
+(d) with a ``[speculative]`` profile: decode with it against the same checkpoint without it (a third engine, the
+    profile with ``speculative = {}``), interleaved the same way, and the drafts' acceptance from the log.
+(e) the card memory of the rig's engine (NVML, its processes) against the KV cache it reports.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -37,10 +43,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig import enginerec, serve  # noqa: E402
+from rig import box, enginerec, profiles, serve  # noqa: E402
 from rig.health import health  # noqa: E402
 
 PROMPT = "Write a long story about the sea, the river and the town between them."
+SHARE = 0.28  # of the card for each engine of (c) and (d): three fit at once
 
 
 def free_port() -> int:
@@ -51,16 +58,9 @@ def free_port() -> int:
 
 def card_free(limit: float = 90) -> None:
     """Wait until no compute process holds the card (the last engine's memory released)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        deadline = time.monotonic() + limit
-        while pynvml.nvmlDeviceGetComputeRunningProcesses(h) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        pynvml.nvmlShutdown()
+    deadline = time.monotonic() + limit
+    while box.read_nvml().gpus[0].compute_processes and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def timed_run(cmd: list[str], env: dict, log: Path) -> float:
@@ -74,34 +74,47 @@ def timed_run(cmd: list[str], env: dict, log: Path) -> float:
 
 
 def rig_start(env: dict, log: Path) -> float:
-    return timed_run([str(ROOT / "start.sh"), "--demo"], env, log)
+    return timed_run([str(ROOT / "start.sh")], env, log)
 
 
-def rig_stop(env: dict, log: Path) -> None:
+def rig_stop(env: dict, log: Path, wait_free: bool = True) -> None:
     timed_run([str(ROOT / "scripts" / "nox.sh"), "-s", "stop"], env, log)
-    card_free()
+    if wait_free:
+        card_free()
 
 
-def bare_start(env: dict, log: Path) -> tuple[subprocess.Popen, float]:
-    """The rig's own engine command and environment, run as a bare ``vllm serve``; seconds to a one-token answer."""
-    s, v, p = serve.inputs(env)
-    plan = serve.plan(s, v, p, serve.check_box(s, v, p, check=False))
-    enginerec.fresh_runtime(s)  # the engine's runtime folder, which the supervisor makes before each start
-    fh = open(log, "a")  # noqa: SIM115 - the engine writes it until it is killed
-    t0 = time.monotonic()
-    proc = subprocess.Popen(plan.engine.argv, env=plan.engine.full_env(env), stdout=fh, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"bare vllm serve ended (exit {proc.returncode}): see {log}")
-        ok, _ = health(s.host, s.port, v.names[0], v.api_key, timeout=10, extra=p.health)
-        if ok:
-            return proc, time.monotonic() - t0
-        time.sleep(0.5)
+class Bare:
+    """The rig's own engine command and environment run as a bare ``vllm serve`` (its own state folder, so its
+    runtime folder is apart from the rig's)."""
+
+    def __init__(self, env: dict, log: Path, state: Path) -> None:
+        self.env = {**env, "RIG_STATE": str(state), "PORT": str(free_port())}
+        s, v, p = serve.inputs(self.env)
+        plan = serve.plan(s, v, p, serve.check_box(s, v, p, check=False))
+        enginerec.fresh_runtime(s)
+        self.s, fh = s, open(log, "a")  # noqa: SIM115 - the engine writes it until it is killed
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(plan.engine.argv, env=plan.engine.full_env(self.env), stdout=fh,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                sys.exit(f"bare vllm serve ended (exit {self.proc.returncode}): see {log}")
+            if health(s.host, s.port, v.names[0], v.api_key, timeout=10, extra=p.health)[0]:
+                self.took = time.monotonic() - t0
+                return
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        enginerec.clear_runtime(self.s)
 
 
-def decode(env: dict, concurrency: int, tokens: int = 256, rounds: int = 3, model: str = "demo") -> float:
-    """Generated tokens per second over ``concurrency`` parallel requests of ``tokens`` each (median of rounds)."""
+def decode(env: dict, model: str, concurrency: int, tokens: int) -> float:
+    """Generated tokens per second over ``concurrency`` parallel requests of ``tokens`` each (one round)."""
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True,
                        "temperature": 0}).encode()
     headers = {"Content-Type": "application/json"}
@@ -113,30 +126,73 @@ def decode(env: dict, concurrency: int, tokens: int = 256, rounds: int = 3, mode
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())["usage"]["completion_tokens"]
 
-    one()  # a warm-up request
-    rates = []
-    for _ in range(rounds):
-        t0 = time.monotonic()
-        with cf.ThreadPoolExecutor(concurrency) as ex:
-            done = sum(ex.map(lambda _: one(), range(concurrency)))
-        rates.append(done / (time.monotonic() - t0))
-    return statistics.median(rates)
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        done = sum(ex.map(lambda _: one(), range(concurrency)))
+    return done / (time.monotonic() - t0)
+
+
+def interleaved(a: dict, b: dict, model: str, concurrency: int, pairs: int, tokens: int) -> dict:
+    """Rounds of ``a`` and ``b`` in the order a b b a ...; per pair the ratio a / b; the median ratio and the
+    half-width of the middle half of the ratios (as a fraction), with each side's median rate."""
+    for env in (a, b):
+        decode(env, model, concurrency, 16)  # a warm-up request
+    ra, rb, ratios = [], [], []
+    for i in range(pairs):
+        order = (a, b) if i % 2 == 0 else (b, a)
+        got = {id(env): decode(env, model, concurrency, tokens) for env in order}
+        ra.append(got[id(a)])
+        rb.append(got[id(b)])
+        ratios.append(ra[-1] / rb[-1])
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    med = statistics.median(ratios)
+    return {"ratio": med, "spread": (q[2] - q[0]) / 2 / med, "a": statistics.median(ra), "b": statistics.median(rb),
+            "pairs": pairs}
+
+
+def variant(base: str, name: str, text: str) -> str:
+    """A profile of this run on ``base`` (models/NAME.toml, removed at the end): the profile's own everything
+    else."""
+    (profiles.MODELS_DIR / f"{name}.toml").write_text(f'base = "{base}"\n{text}')
+    return name
+
+
+def acceptance(log: Path) -> str:
+    """The last SpecDecoding line's acceptance (vLLM's spec-decode metrics), or why there is none."""
+    found = re.findall(r"Mean acceptance length: ([\d.]+).*Avg Draft acceptance rate: ([\d.]+)%",
+                       log.read_text(errors="replace"))
+    return f"mean accepted length {found[-1][0]}, draft acceptance {found[-1][1]}%" if found else "no metrics line"
+
+
+def memory(env: dict, log: Path) -> tuple[float, float, int]:
+    """(MiB of the card the rig's engine holds (NVML), GiB of KV cache it reports, its KV cache tokens)."""
+    rec = enginerec.load(serve.inputs(env)[0])
+    held = box.read_nvml().gpus[0].mib_by_process()
+    mine = sum(mib for pid, mib in held.items() if rec and pid in enginerec.group_members(rec.pgid))
+    text = log.read_text(errors="replace")
+    kv = re.findall(r"Available KV cache memory: ([\d.]+) GiB", text)
+    tokens = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)
+    return mine, float(kv[-1]) if kv else 0.0, int(tokens[-1].replace(",", "")) if tokens else 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="demo-gpu", help="the profile to serve (default demo-gpu)")
     ap.add_argument("--build", action="store_true", help="time ./build.sh on this checkout first (figure 0)")
+    ap.add_argument("--pairs", type=int, default=8, help="interleaved pairs of decode rounds (default 8)")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens a request in the decode rounds (default 512)")
+    ap.add_argument("--quick", action="store_true", help="2 pairs of 128 tokens")
     ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
-    ap.add_argument("--quick", action="store_true", help="one decode round instead of three")
     a = ap.parse_args()
-    rounds = 1 if a.quick else 3
+    pairs, tokens = (2, 128) if a.quick else (a.pairs, a.tokens)
     work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))
     log = work / "run.log"
-    env = {**os.environ, "PROFILE": "demo-gpu", "DEVICE": "cuda", "CACHE_ROOT": str(work / "cache"),
+    p = profiles.load(a.profile)
+    env = {**os.environ, "PROFILE": a.profile, "DEVICE": "cuda", "CACHE_ROOT": str(work / "cache"),
            "LOG": str(work / "vllm.log"), "PORT": str(free_port()), "VLLM_API_KEY": "",
            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
     figures: dict[str, float] = {}
-    lines = []
+    lines = [f"profile {a.profile}; {pairs} pairs of rounds, {tokens} tokens a request"]
     if a.build and (ROOT / "vllm").exists():  # a second build here is the no-op, not the figure (0) stands for
         lines.append(f"(0) not measured: {ROOT} is built already; --build times the first build of a fresh checkout")
     elif a.build:
@@ -147,31 +203,51 @@ def main() -> int:
                      f"{first:.1f} s; the no-op build after it {again:.2f} s ({first / again:.0f}x)")
     card_free()
     cold = rig_start(env, log)
-    rig_dec = {c: decode(env, c, rounds=rounds) for c in (1, 4)}
+    used, kv_gib, kv_tokens = memory(env, Path(env["LOG"]))
     rig_stop(env, log)
     warm = rig_start(env, log)
     rig_stop(env, log)
-    proc, bare = bare_start(env, log)
-    try:
-        bare_dec = {c: decode(env, c, rounds=rounds) for c in (1, 4)}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        enginerec.clear_runtime(serve.inputs(env)[0])
+    bare = Bare(env, log, work / "bare-a")
+    bare.stop()
     card_free()
-    figures.update(rig_cold_s=cold, rig_warm_s=warm, bare_warm_s=bare,
-                   **{f"rig_decode_c{c}": rig_dec[c] for c in rig_dec},
-                   **{f"bare_decode_c{c}": bare_dec[c] for c in bare_dec})
-    lines += [
-        f"(a) start to healthy, warm cache: ./start.sh --demo {warm:.1f} s, bare vllm serve {bare:.1f} s: "
-        f"{warm / bare:.2f}x (target <= 1.05x)",
-        f"(b) ./start.sh warm {warm:.1f} s against cold {cold:.1f} s: {warm / cold:.2f}x (target <= 0.6x)",
-        *(f"(c) decode at concurrency {c}: through the rig {rig_dec[c]:.0f} tok/s, bare {bare_dec[c]:.0f} tok/s: "
-          f"{rig_dec[c] / bare_dec[c]:.2f}x (target 1.00x)" for c in (1, 4)),
-    ]
+    figures.update(rig_cold_s=cold, rig_warm_s=warm, bare_warm_s=bare.took, engine_mib=used, kv_gib=kv_gib,
+                   kv_tokens=kv_tokens)
+    lines += [f"(a) start to healthy, warm cache: ./start.sh {warm:.1f} s, bare vllm serve {bare.took:.1f} s: "
+              f"{warm / bare.took:.2f}x (target <= 1.05x)",
+              f"(b) ./start.sh warm {warm:.1f} s against cold {cold:.1f} s: {warm / cold:.2f}x (target <= 0.6x)",
+              f"(e) the engine holds {used} MiB of the card (NVML); its KV cache {kv_gib:.2f} GiB "
+              f"({kv_gib * 1024 / used:.2f}x of it), {kv_tokens:,} tokens"]
+    made = [variant(a.profile, f"bench-{a.profile}", f"memory_utilization = {SHARE}\n")]
+    if p.speculative:
+        made.append(variant(a.profile, f"bench-{a.profile}-nospec",
+                            f"memory_utilization = {SHARE}\nspeculative = {{}}\n"))
+    engines: list[Bare] = []
+    shared = {**env, "PROFILE": made[0], "GPU_WAIT": "0", "LOG": str(work / "shared.log")}
+    try:
+        rig_start(shared, log)
+        engines.append(Bare(shared, work / "bare.log", work / "bare-b"))
+        model = p.served_name
+        for c in (1, 4):
+            got = interleaved(shared, engines[0].env, model, c, pairs, tokens)
+            figures.update({f"decode_c{c}_ratio": got["ratio"], f"decode_c{c}_spread": got["spread"],
+                            f"rig_decode_c{c}": got["a"], f"bare_decode_c{c}": got["b"]})
+            lines.append(f"(c) decode at concurrency {c}: through the rig {got['a']:.0f} tok/s, bare {got['b']:.0f} "
+                         f"tok/s: {got['ratio']:.3f}x, spread +/-{got['spread']:.1%} over {pairs} pairs (target "
+                         f"1.00x; {'resolves' if got['spread'] <= 0.02 else 'does not resolve'} 2%)")
+        if p.speculative:
+            engines.append(Bare({**shared, "PROFILE": made[1]}, work / "nospec.log", work / "bare-c"))
+            for c in (1, 4):
+                got = interleaved(engines[0].env, engines[1].env, model, c, pairs, tokens)
+                figures.update({f"spec_c{c}_ratio": got["ratio"], f"spec_c{c}_spread": got["spread"]})
+                lines.append(f"(d) decode at concurrency {c} with [speculative] {got['a']:.0f} tok/s, without "
+                             f"{got['b']:.0f} tok/s: {got['ratio']:.2f}x, spread +/-{got['spread']:.1%}")
+            lines.append(f"(d) {p.speculative}: {acceptance(work / 'bare.log')} (random weights accept few drafts)")
+    finally:
+        for e in engines:
+            e.stop()
+        rig_stop(shared, log, wait_free=False)
+        for name in made:
+            (profiles.MODELS_DIR / f"{name}.toml").unlink(missing_ok=True)
     for line in lines:
         print(line)
     if a.out:

@@ -4,6 +4,8 @@ Tiny checkpoints the rig makes on the box, so the whole serve path runs anywhere
 
 * ``qwen3`` (profiles demo, demo-gpu): 2 layers, hidden 256, 4 heads of size 64 (a head size vLLM's CPU
   attention supports), with the FP8 KV scales sidecar;
+* ``qwen3next`` (profile reference-tiny): the reference model's architecture in miniature, W4A16, with MTP and
+  the sidecar (rig/refshape.py);
 * ``gemma3n`` (profile demo-ple): a Gemma 3n text model, 4 layers, hidden 128, whose per-layer-embedding table
   (2048 x 4 x 1024) is three quarters of its weights, for the PLE offload (patch 0007); ``gemma3n-gpu``
   (profile demo-ple-gpu) the same with a 262144-row table (2 GiB).
@@ -27,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from rig import prose
+from rig import prose, refshape
 from rig.errors import WorkFailed, problem
 
 SEED = 1661
@@ -51,14 +53,16 @@ PLE_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 
 #: The same model for the card, with Gemma's own per-layer vocabulary (262144 rows: a 2 GiB table, nearly all
 #: its weights), so the card memory the offload frees stands far above the card's own noise.
 PLE_GPU_SHAPE = {**PLE_SHAPE, "vocab_size_per_layer_input": 262144}
-SHAPES = {"qwen3": SHAPE, "gemma3n": PLE_SHAPE, "gemma3n-gpu": PLE_GPU_SHAPE}
+SHAPES = {"qwen3": SHAPE, "gemma3n": PLE_SHAPE, "gemma3n-gpu": PLE_GPU_SHAPE, "qwen3next": refshape.SHAPE}
 #: The profiles whose checkpoint the rig makes, and which model each is.
-MADE = {"demo": "qwen3", "demo-gpu": "qwen3", "demo-ple": "gemma3n", "demo-ple-gpu": "gemma3n-gpu"}
+MADE = {"demo": "qwen3", "demo-gpu": "qwen3", "demo-ple": "gemma3n", "demo-ple-gpu": "gemma3n-gpu",
+        "reference-tiny": "qwen3next"}
 #: The demo's profile for each build: ``./start.sh --demo`` picks the one of the build it serves with.
 PROFILES = {"cpu": "demo", "cuda": "demo-gpu"}
 MARK = ".rig-demo.json"  # written last: a folder without it is not trusted
 #: The FP8 KV scales sidecar (patch 0004) the demo carries: 1.0 for every layer, the cache's plain FP8 range.
 SIDECAR = "qsa_kv_scales.json"
+SIDECAR_KINDS = ("qwen3", "qwen3next")
 
 
 def make(out: Path, kind: str = "qwen3") -> None:
@@ -84,7 +88,10 @@ def make(out: Path, kind: str = "qwen3") -> None:
     torch.manual_seed(SEED)
     tokens = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
               "pad_token_id": ids["<|endoftext|>"]}
-    if kind.startswith("gemma3n"):
+    if kind == "qwen3next":
+        refshape.make(out, SEED, VOCAB, tokens)
+        _json(out / SIDECAR, refshape.sidecar())
+    elif kind.startswith("gemma3n"):
         from transformers import Gemma3nForCausalLM, Gemma3nTextConfig  # the serving venv's, as above
 
         cfg = Gemma3nTextConfig(vocab_size=VOCAB, tie_word_embeddings=True, **tokens, **SHAPES[kind])
@@ -117,13 +124,13 @@ def digest(folder: Path) -> dict[str, str]:
 
 def ready(folder: Path, kind: str = "qwen3") -> bool:
     """Whether ``folder`` holds a complete demo checkpoint of ``kind`` (its mark, and the files the mark lists,
-    the Qwen3's scales sidecar among them: one made before it had one is made again)."""
+    the scales sidecar of the kinds that carry one: one made before it had one is made again)."""
     try:
         mark = json.loads((folder / MARK).read_text())
     except (FileNotFoundError, ValueError):
         return False
     files = mark.get("files", {})
-    return (mark.get("kind", "qwen3") == kind and (kind != "qwen3" or SIDECAR in files)
+    return (mark.get("kind", "qwen3") == kind and (kind not in SIDECAR_KINDS or SIDECAR in files)
             and set(files) <= {p.name for p in folder.iterdir()})
 
 
@@ -151,7 +158,7 @@ def ensure(python: Path, folder: Path, root: Path, kind: str = "qwen3") -> tuple
             raise WorkFailed(problem(f"the demo model ({python} -m rig.demo)", "made",
                                      (r.stderr.strip().splitlines() or ["no output"])[-1],
                                      f"./build.sh (the venv {python.parent.parent} needs torch, transformers, "
-                                     "tokenizers)"))
+                                     "tokenizers, compressed-tensors)"))
         _json(tmp / MARK, {"seed": SEED, "kind": kind, "shape": SHAPES[kind], "files": digest(tmp)})
         if folder.exists():
             shutil.rmtree(folder)  # an incomplete one (no mark): the rig's own, never trusted
