@@ -51,7 +51,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size"):
         s.add_argument(flag, type=int)
-    for flag in ("--kv-cache-dtype", "--speculative-config", "--compilation-config"):
+    for flag in ("--kv-cache-dtype", "--speculative-config", "--compilation-config", "--gdn-prefill-backend"):
         s.add_argument(flag)
     for flag in ("--enable-expert-parallel", "--disable-custom-all-reduce", "--enforce-eager"):
         s.add_argument(flag, action="store_true")
