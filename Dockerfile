@@ -94,7 +94,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     . scripts/host-ca.sh \
     && cp -a --update=none /mnt/uvcache/. /root/.cache/uv/ \
     && ./build.sh --only tools,tree,venv,runtime,toolchain \
-    && python3 -m rig.container target
+    && python3 -m rig.build.container target
 
 # Route 1: the rig's verify (standard library only) computes this image's kernel target and checks the tarball
 # against it in one process: its tree (OPS_OBJ), ARCH, CPython, CUDA and torch, its files against the
@@ -109,8 +109,8 @@ RUN --mount=type=bind,from=ops,target=/ops \
     . scripts/host-ca.sh \
     && if [ -z "$(find /ops -mindepth 1 -maxdepth 1 -print -quit)" ]; then \
         echo "route 2: the ops context is empty, so ./build.sh makes the kernels"; exit 0; fi \
-    && python3 -m rig.container verify --artifacts /ops \
-    && uv run --no-project --with-editable . python3 -m rig.container adopt --artifacts /ops
+    && python3 -m rig.build.container verify --artifacts /ops \
+    && uv run --no-project --with-editable . python3 -m rig.build.container adopt --artifacts /ops
 
 # Both routes: ./build.sh. After route 1 the ops step is current; route 2 makes the kernels here, compiled
 # with MAX_JOBS, ARCH and ccache (or the official wheel's, as OPS_ROUTE allows). The install step's import

@@ -129,7 +129,7 @@ def bench(session: nox.Session) -> None:
     import subprocess
     from pathlib import Path
 
-    from rig.bench import TOOL, TOOL_DEPS
+    from rig.control.bench import TOOL, TOOL_DEPS
 
     session.install("--no-deps", TOOL)
     session.install("-e", ".", *TOOL_DEPS)
@@ -146,7 +146,7 @@ def bench(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest; extra arguments go to pytest)."""
     session.install("-e", ".[test]")
-    session.run("python", "-m", "rig.testdeps")
+    session.run("python", "-m", "rig.base.testdeps")
     session.run("python", "-m", "pytest", "--durations=25", *session.posargs)
 
 

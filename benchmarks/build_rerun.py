@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from timing import median_time  # noqa: E402 - benchmarks/timing.py
 
-from rig.uv import find as find_uv  # noqa: E402
+from rig.facts.uv import find as find_uv  # noqa: E402
 
 COMPILERS = ("cc", "c++", "gcc", "g++", "nvcc", "clang", "clang++")
 CLEAN = ("VLLM_DIR", "PATCHES_DIR", "RIG_STATE", "VENV_DIR", "RUNTIME_LOCK", "BUILD_LOG_DIR", "FETCH", "OPS_ROUTE")

@@ -9,7 +9,7 @@
 --rig DIR: the copy of the rig to work on, CPU-built (default: this checkout). --quick: --repeat 1, 3 probes in
 (d) and `bench.sh 32 8 "1 4"` in (e): the same code in the least time (CI runs `--serve --quick --rig` on its copy).
 
-(a) making the demo model (rig/demo.py, with the CPU venv's transformers), against importing
+(a) making the demo model (rig/build/demo.py, with the CPU venv's transformers), against importing
     transformers and torch in the same venv (the floor of any checkpoint made there);
 (b) the no-op `./start.sh --demo --dry-run` (build current, model made), median of N, against
     `python -c 'import nox'` with the interpreter the wrapper runs nox with;
@@ -39,12 +39,12 @@ sys.path.insert(0, str(ROOT))
 from build_rerun import nox_python, sh  # noqa: E402 - benchmarks/build_rerun.py
 from timing import median_time, timed  # noqa: E402 - benchmarks/timing.py
 
-from rig.config import serve_settings, settings  # noqa: E402
-from rig.demo import ensure as ensure_demo  # noqa: E402
-from rig.enginerec import clear_runtime, fresh_runtime, terminate  # noqa: E402
-from rig.health import health  # noqa: E402
-from rig.profiles import load as load_profile  # noqa: E402
-from rig.serve import BoxReport, plan  # noqa: E402
+from rig.build.demo import ensure as ensure_demo  # noqa: E402
+from rig.facts.config import serve_settings, settings  # noqa: E402
+from rig.facts.profiles import load as load_profile  # noqa: E402
+from rig.plan.serve import BoxReport, plan  # noqa: E402
+from rig.running.enginerec import clear_runtime, fresh_runtime, terminate  # noqa: E402
+from rig.running.health import health  # noqa: E402
 
 
 def free_port() -> int:

@@ -43,8 +43,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig import box, enginerec, profiles, serve  # noqa: E402
-from rig.health import health  # noqa: E402
+from rig.facts import profiles  # noqa: E402
+from rig.plan import box, serve  # noqa: E402
+from rig.running import enginerec  # noqa: E402
+from rig.running.health import health  # noqa: E402
 
 PROMPT = "Write a long story about the sea, the river and the town between them."
 SHARE = 0.28  # of the card for each engine of (c) and (d): three fit at once

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import timed  # noqa: E402
 
-from rig.logs import parse  # noqa: E402
-from rig.logview import Palette, lines_of  # noqa: E402
+from rig.control.logview import Palette, lines_of  # noqa: E402
+from rig.running.logs import parse  # noqa: E402
 
 STATS = ("(APIServer pid=41) INFO 12-02 18:{m:02d}:{s:02d} [loggers.py:260] Engine 000: Avg prompt throughput: "
          "2254.6 tokens/s, Avg generation throughput: 131.8 tokens/s, Running: {i} reqs, Waiting: 0 reqs, "

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig.health import port_open  # noqa: E402
 from rig.nodes.client import BEAT, call  # noqa: E402
+from rig.running.health import port_open  # noqa: E402
 
 
 def free_port() -> int:

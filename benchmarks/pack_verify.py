@@ -8,7 +8,7 @@
                                             (after ./build.sh: it reads vllm/.build-products.sha256)
 
 Pack time and size with zstd (multithreaded) and with gzip, against `tar czf` of the same files
-(target: >= 5x faster than tar czf at no larger size). Verify (rig/verify.py) throughput against
+(target: >= 5x faster than tar czf at no larger size). Verify (rig/build/verify.py) throughput against
 `sha256sum` of the same files (target >= 0.8x); verify also writes every file it installs, which
 sha256sum does not, so the write speed of the same files (`cp -r` of the folder) is printed too.
 The manifest's facts are the build's own (artifacts/manifest.toml), so verify checks the tarball
@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from timing import timed  # noqa: E402 - benchmarks/timing.py
 
-from rig.artifacts import MANIFEST, pack, read_manifest  # noqa: E402
-from rig.verify import verify  # noqa: E402
+from rig.build.artifacts import MANIFEST, pack, read_manifest  # noqa: E402
+from rig.build.verify import verify  # noqa: E402
 
 #: The manifest's fields that say what the kernels are and were built for (the rest pack writes itself).
 FACTS = ("device", "ops_obj", "tree", "route", "arch", "python", "cuda", "torch")

@@ -39,8 +39,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_figures import card_free, decode, free_port, timed_run  # noqa: E402
 
-from rig import box, enginerec, ple  # noqa: E402
-from rig.config import settings  # noqa: E402
+from rig.facts.config import settings  # noqa: E402
+from rig.plan import box, ple  # noqa: E402
+from rig.running import enginerec  # noqa: E402
 
 PROFILE = "demo-ple-gpu"
 MODEL = "demo-ple"

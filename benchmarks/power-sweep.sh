@@ -16,4 +16,4 @@ for w in $limits; do
   "$here/bench.sh" "$@" | tee "$out"
   runs+=("$w W=$(sed -n 's/^results: //p' "$out" | tail -n 1)")
 done
-PYTHONPATH="$here/.." python3 -m rig.bench table "power limit" "${runs[@]}"
+PYTHONPATH="$here/.." python3 -m rig.control.bench table "power limit" "${runs[@]}"

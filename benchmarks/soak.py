@@ -6,7 +6,7 @@
 
   uv run benchmarks/soak.py [--faults 50] [--seed 1] [--only KIND,...] [--rig DIR] [--quick]
 
-The demo (CPU build) runs as systemd runs systemd/vllm.service (rig/unitfile.py: its ExecStart with the unit's
+The demo (CPU build) runs as systemd runs systemd/vllm.service (rig/control/unitfile.py: its ExecStart with the unit's
 environment and notify socket, Restart=on-failure after --restart-sec instead of RestartSec=, its ExecStop and
 KillMode=control-group at the end); this box runs no systemd. A request loop (one short completion every 0.2 s,
 loopback) runs throughout. Each fault comes 3 to 8 s after the engine is healthy, every kind once per round in a
@@ -54,10 +54,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig import service, unitfile  # noqa: E402
-from rig.config import settings  # noqa: E402
-from rig.demo import ensure as ensure_demo  # noqa: E402
-from rig.enginerec import group_members, load, runtime_dir  # noqa: E402
+from rig.build.demo import ensure as ensure_demo  # noqa: E402
+from rig.control import service, unitfile  # noqa: E402
+from rig.facts.config import settings  # noqa: E402
+from rig.running.enginerec import group_members, load, runtime_dir  # noqa: E402
 
 KINDS = ("api", "enginecore", "worker", "logwriter", "hang", "diskfull", "ckpt")
 QUICK = ("api", "enginecore", "diskfull")

@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from timing import median_time  # noqa: E402 - benchmarks/timing.py
 
-from rig.health import health  # noqa: E402
-from rig.uv import find as find_uv  # noqa: E402
+from rig.facts.uv import find as find_uv  # noqa: E402
+from rig.running.health import health  # noqa: E402
 
 
 def free_port() -> int:

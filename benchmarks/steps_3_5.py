@@ -31,16 +31,16 @@ sys.path.insert(0, str(ROOT))
 
 from timing import median_time  # noqa: E402 - benchmarks/timing.py
 
-from rig.config import settings  # noqa: E402
-from rig.cudastub import build as build_stub  # noqa: E402
-from rig.cudastub import entry_points  # noqa: E402
-from rig.steps.pipeline import Options, context  # noqa: E402
-from rig.steps.pipeline import run as run_steps  # noqa: E402
-from rig.steps.runtime import RuntimeStep, read_lock  # noqa: E402
-from rig.steps.toolchain import ToolchainStep  # noqa: E402
-from rig.steps.venv import VenvStep  # noqa: E402
-from rig.uv import find as find_uv  # noqa: E402
-from rig.venvs import site_packages  # noqa: E402
+from rig.base.venvs import site_packages  # noqa: E402
+from rig.build.cudastub import build as build_stub  # noqa: E402
+from rig.build.cudastub import entry_points  # noqa: E402
+from rig.build.steps.pipeline import Options, context  # noqa: E402
+from rig.build.steps.pipeline import run as run_steps  # noqa: E402
+from rig.build.steps.runtime import RuntimeStep, read_lock  # noqa: E402
+from rig.build.steps.toolchain import ToolchainStep  # noqa: E402
+from rig.build.steps.venv import VenvStep  # noqa: E402
+from rig.facts.config import settings  # noqa: E402
+from rig.facts.uv import find as find_uv  # noqa: E402
 
 
 def main() -> None:

@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 from timing import median_time  # noqa: E402 - benchmarks/timing.py
 
-from rig.config import settings  # noqa: E402
-from rig.gitutil import Git  # noqa: E402
-from rig.steps.pipeline import Options, context  # noqa: E402
-from rig.steps.pipeline import run as run_steps  # noqa: E402
-from rig.steps.tree import TreeStep  # noqa: E402
+from rig.base.gitutil import Git  # noqa: E402
+from rig.build.steps.pipeline import Options, context  # noqa: E402
+from rig.build.steps.pipeline import run as run_steps  # noqa: E402
+from rig.build.steps.tree import TreeStep  # noqa: E402
+from rig.facts.config import settings  # noqa: E402
 
 
 def quiet(fn):

@@ -17,16 +17,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from rig import config
-from rig.console import guard, plain, say
-from rig.errors import BadInput, problem
+from rig.base.console import guard, plain, say
+from rig.base.errors import BadInput, problem
+from rig.facts import config
 
 Args = argparse.Namespace
 
 
+#: Every module the commands use, by its full dotted name: the one place the front door names them. ``_use``
+#: imports one when its command runs (a no-op ./build.sh never imports the serve side); tests/test_layers.py
+#: reads these names as imports of this module, so each must exist and none may sit above.
+COMMAND_MODULES: dict[str, str] = {
+    "bench": "rig.control.bench", "buildlock": "rig.build.buildlock", "bundle": "rig.build.bundle",
+    "bundlewrite": "rig.control.bundlewrite", "control": "rig.control.control", "image": "rig.build.image",
+    "logview": "rig.control.logview", "netif": "rig.base.netif", "patches": "rig.build.patches",
+    "profiles": "rig.facts.profiles", "raycluster": "rig.nodes.raycluster", "service": "rig.control.service",
+    "start": "rig.control.start", "steps.order": "rig.build.steps.order", "steps.pack": "rig.build.steps.pack",
+    "steps.pipeline": "rig.build.steps.pipeline", "steps.runtime": "rig.build.steps.runtime",
+    "update": "rig.control.update",
+}
+
+
 def _use(module: str) -> ModuleType:
-    """The module a command needs, imported when that command runs (see the module's docstring)."""
-    return importlib.import_module(f"rig.{module}")
+    """The module a command needs (its key in COMMAND_MODULES), imported when that command runs (see the module's
+    docstring)."""
+    return importlib.import_module(COMMAND_MODULES[module])
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 uv="${UV:-}"; case "$uv" in ""|0) uv="$(command -v uv || true)";; esac
 if [ -n "${OFFLINE:-}" ]; then  # a bundle: checked and opened by the standard library, then uv and all wheels from it
-  sh="$(PYTHONPATH="$root" python3 -m rig.bundle open --shell "$OFFLINE")" || exit $?; eval "$sh"
+  sh="$(PYTHONPATH="$root" python3 -m rig.build.bundle open --shell "$OFFLINE")" || exit $?; eval "$sh"
 elif [ -z "$uv" ]; then
   uv="$root/.rig/uv/uv"
   [ -x "$uv" ] || uv="$(python3 "$root/scripts/bootstrap_uv.py" "$root/.rig/uv")"

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from fixture_upstream import UPSTREAM_FILES, write_files  # noqa: E402,F401 - shared with the fixtures
 
-from rig.series import HEADER  # noqa: E402
+from rig.facts.series import HEADER  # noqa: E402
 
 # The wrapper puts uv's folder on PATH; do the same when pytest is started by hand.
 if not shutil.which("uv"):
@@ -175,7 +175,7 @@ class Index:
     """A PEP 691 simple index on loopback serving vLLM files, each with the sha256 it is told."""
 
     def __init__(self, root: Path, files: dict[str, bytes], listed: dict[str, str] | None = None) -> None:
-        from rig.upstream import project_of
+        from rig.build.upstream import project_of
 
         (root / "files").mkdir(parents=True)
         (root / "simple" / "vllm").mkdir(parents=True)

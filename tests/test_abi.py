@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from rig import products
-from rig.errors import BadInput, WorkFailed
-from rig.kernels import abi
-from rig.steps import install, runtime
+from rig.base.errors import BadInput, WorkFailed
+from rig.build.kernels import abi
+from rig.build.steps import install, runtime
+from rig.facts import products
 
 
 def cc(tmp: Path, name: str, source: str, *args: str) -> Path:
@@ -104,7 +104,7 @@ def test_a_missing_elf_tool_names_its_package(monkeypatch, tmp_path):
 def test_a_module_left_out_is_left_out_under_every_minors_file():
     """DeepGEMM ships _C for 3.10 to 3.14: the host-torch check names the 3.12 file, the import check skips the
     module (the 3.13 file must not bring it back)."""
-    from rig.steps.install import kernel_modules
+    from rig.build.steps.install import kernel_modules
 
     files = [f"vllm/third_party/deep_gemm/_C.cpython-3{m}-x86_64-linux-gnu.so" for m in range(10, 15)]
     files += ["vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "top.so"]

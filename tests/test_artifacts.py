@@ -17,9 +17,11 @@ import pytest
 import tomli_w
 from conftest import ROOT
 
-from rig import artifacts, bundlewrite, config, leftovers, products, verify
-from rig.errors import BadInput, WorkFailed
-from rig.kernels.expected import write_list
+from rig.base.errors import BadInput, WorkFailed
+from rig.build import artifacts, leftovers, verify
+from rig.build.kernels.expected import write_list
+from rig.control import bundlewrite
+from rig.facts import config, products
 
 FACTS = {"device": "cuda", "ops_obj": "a" * 64, "tree": "b" * 40, "route": "compile", "arch": "8.6 9.0",
          "python": "3.13", "cuda": "13", "torch": "2.13.0"}
@@ -49,13 +51,14 @@ def packed(tmp_path):
     return out
 
 
-#: rig/verify.py as ``python3 -m rig.container verify`` runs it (that command computes the image's own target), with
-#: the test's target: through the rig's one error guard, in a process of its own, its answer on stdout.
+#: rig/build/verify.py as ``python3 -m rig.build.container verify`` runs it (that command computes the image's own
+#: target), with the test's target: through the rig's one error guard, in a process of its own, its answer on stdout.
 VERIFY = """\
 import json, sys
 from pathlib import Path
-from rig import console, verify
-from rig.kernels.expected import read_expected
+from rig.base import console
+from rig.build import verify
+from rig.build.kernels.expected import read_expected
 a = json.loads(sys.argv[1])
 def go():
     expected = read_expected(Path(a["expect"])) if a["expect"] else None
@@ -126,7 +129,7 @@ def test_a_pack_killed_half_way_leaves_the_old_complete_set(packed, tmp_path):
         for _ in range(96):
             fh.write(os.urandom(1 << 20))
     (tree / ".build-products.sha256").write_text(sums_before + f"{artifacts.sha256_file(big)}  vllm/big.so\n")
-    code = (f"from rig import artifacts; from pathlib import Path; artifacts.pack(Path({str(tree)!r}), "
+    code = (f"from rig.build import artifacts; from pathlib import Path; artifacts.pack(Path({str(tree)!r}), "
             f"Path({str(packed)!r}), {FACTS!r}, progress=False, compression='gzip')")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 30

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from rig import bench, cli
-from rig.bench import Cell, Request
-from rig.errors import BadInput
+from rig import cli
+from rig.base.errors import BadInput
+from rig.control import bench
+from rig.control.bench import Cell, Request
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
 BENCH = ROOT / "benchmarks" / "bench.sh"

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, engine_like
 
-from rig import uv
-from rig.cudastub import driver_loadable
+from rig.build.cudastub import driver_loadable
+from rig.facts import uv
 
 BENCH = ROOT / "benchmarks"
 #: Modules the benchmarks import; not benchmarks themselves.

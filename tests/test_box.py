@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from rig import box, config, profiles
+from rig.facts import config, profiles
+from rig.plan import box
 
 REF = profiles.load("reference")
 
@@ -175,8 +176,8 @@ def test_the_ple_offload_needs_the_table_and_its_size_in_ram(tmp_path):
 
 
 def test_ple_home_must_be_a_card_the_engine_gets():
-    from rig import ple
-    from rig.errors import BadInput
+    from rig.base.errors import BadInput
+    from rig.plan import ple
 
     ple.check_home(2, (2, 3), "cuda")
     ple.check_home(0, (), "cpu")

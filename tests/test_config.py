@@ -1,4 +1,4 @@
-"""rig/config.py: the one list of variables, and the README table that must match it."""
+"""rig/facts/config.py: the one list of variables, and the README table that must match it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import re
 import pytest
 from conftest import ROOT, run_rig, variables_table
 
-from rig import config, profiles
-from rig.errors import BadInput
+from rig.base.errors import BadInput
+from rig.facts import config, profiles
 
 
 def test_variables_page_matches_config():
-    """docs/variables.md holds every variable, as rig/config.py defines it, in its order."""
+    """docs/variables.md holds every variable, as rig/facts/config.py defines it, in its order."""
     full = variables_table((ROOT / "docs" / "variables.md").read_text())
     assert full == [(v.name, v.default, v.meaning) for v in config.VARS]
 
@@ -75,7 +75,7 @@ def test_bad_value_exits_2_from_the_command_line():
 
 
 def test_every_variable_the_code_reads_is_in_the_table():
-    text = (ROOT / "rig/config.py").read_text() + (ROOT / "rig/varparse.py").read_text()
+    text = (ROOT / "rig/facts/config.py").read_text() + (ROOT / "rig/facts/varparse.py").read_text()
     read = {v.name for v in config.VARS if v.parse} | set(re.findall(r'env\.get\("([A-Z][A-Z0-9_]+)"', text))
     assert read == config.RIG_VARS
 
@@ -86,7 +86,7 @@ def test_each_setting_is_filled_by_exactly_one_variable(cls, group):
     from dataclasses import fields
 
     filled = [v.field for v in config.VARS if v.group == group and v.parse]
-    derived = {"root", "slot_dir"}  # the checkout, and the build an update switched to (rig/slots.py)
+    derived = {"root", "slot_dir"}  # the checkout, and the build an update switched to (rig/facts/slots.py)
     assert sorted(filled) == sorted(f.name for f in fields(cls) if f.name not in derived)
 
 

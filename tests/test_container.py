@@ -25,11 +25,14 @@ from conftest import ROOT, run_rig
 from fixture_upstream import FIXTURE_SETUP_PY
 from test_artifacts import FILES, built_tree
 
-from rig import artifacts, config, container, enginerec, products, profiles, record, venvs
-from rig import image as rig_image
-from rig.kernels.target import of_build
-from rig.steps import pipeline
-from rig.steps.ops import OpsStep
+from rig.base import venvs
+from rig.build import artifacts, container
+from rig.build import image as rig_image
+from rig.build.kernels.target import of_build
+from rig.build.steps import pipeline
+from rig.build.steps.ops import OpsStep
+from rig.facts import config, products, profiles, record
+from rig.running import enginerec
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
@@ -94,7 +97,7 @@ def shell() -> list[str]:
 
 
 def verify_run() -> tuple[list[dict[str, str]], str]:
-    runs = [a for i, a, _ in instructions() if i == "RUN" and "python3 -m rig.container verify" in a]
+    runs = [a for i, a, _ in instructions() if i == "RUN" and "python3 -m rig.build.container verify" in a]
     assert len(runs) == 1, runs
     return run_parts(runs[0])
 
@@ -105,10 +108,11 @@ def test_verify_run_line_is_the_standard_library_verify_against_this_image():
     assert ops and ops[0]["type"] == "bind" and "rw" not in ops[0], mounts
     # one rig command computes this image's target and checks the tarball against it; adopt then needs the rig's
     # dependencies (uv run), and nothing else of the rig runs
-    assert re.findall(r"python3 -m rig\.\w+ \w+", cmd) == ["python3 -m rig.container verify",
-                                                          "python3 -m rig.container adopt"]
-    assert f"python3 -m rig.container verify --artifacts {ops[0]['target']} " in cmd
-    assert f"uv run --no-project --with-editable . python3 -m rig.container adopt --artifacts {ops[0]['target']}" \
+    assert re.findall(r"python3 -m rig\.[\w.]+ \w+", cmd) == ["python3 -m rig.build.container verify",
+                                                          "python3 -m rig.build.container adopt"]
+    assert f"python3 -m rig.build.container verify --artifacts {ops[0]['target']} " in cmd
+    assert "uv run --no-project --with-editable . python3 -m rig.build.container adopt --artifacts " \
+        f"{ops[0]['target']}" \
         in cmd
     assert "$(" not in cmd.split("fi ", 1)[1]  # no answers of other processes passed as flags
     # the target's ARCH is the build argument, read by the rig's settings from the RUN's environment
@@ -166,7 +170,7 @@ def test_the_route_1_layer_is_keyed_by_the_kernels_themselves():
     body = ins[key + 1:next(n for n in stages if n > key)]
     assert ("COPY", "--from=ops . /ops/", body[0][2]) == body[0] and body[1][0] == "RUN"
     assert "/ops/manifest.toml /ops/ops.sha256" in body[1][1] and "> /ops.key" in body[1][1]
-    route1 = next(n for n, (i, a, _) in enumerate(ins) if i == "RUN" and "rig.container verify" in a)
+    route1 = next(n for n, (i, a, _) in enumerate(ins) if i == "RUN" and "rig.build.container verify" in a)
     assert ins[route1 - 1][:2] == ("COPY", "--from=opskey /ops.key /usr/local/share/rig/ops.key")
     assert (artifacts.MANIFEST, artifacts.SUMS) == ("manifest.toml", "ops.sha256")  # the names the key reads
 
@@ -182,7 +186,7 @@ def test_buildah_runs_route_1_again_when_the_kernels_change_and_reuses_it_when_t
     """The Dockerfile's own key stage and key COPY, built by the real buildah on a busybox base (the rest of the
     image needs hours and a registry): route 1's stand-in runs again after a repack, and not for the same kernels."""
     if not shutil.which("buildah") or not Path("/bin/busybox").exists() or os.geteuid() != 0:
-        pytest.skip("needs root, buildah and busybox-static (python -m rig.testdeps installs them)")
+        pytest.skip("needs root, buildah and busybox-static (python -m rig.base.testdeps installs them)")
     rootfs = tmp_path / "rootfs" / "bin"
     rootfs.mkdir(parents=True)
     shutil.copy("/bin/busybox", rootfs / "busybox")
@@ -420,7 +424,7 @@ def test_facts_need_only_the_standard_library_and_match_the_rig(image, tmp_path)
     assert container.show(s) == {**kt.facts(), "expect": ""} and kt.expected is None
     assert kt.vllm_dir == image.vllm and kt.route is None  # the ops step has not run: adopt checks the route
     # -S: no site-packages at all, as python3 of the image has none of the rig's dependencies
-    r = subprocess.run([sys.executable, "-S", "-m", "rig.container", "target"], cwd=ROOT, env=image.env,
+    r = subprocess.run([sys.executable, "-S", "-m", "rig.build.container", "target"], cwd=ROOT, env=image.env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert dict(line.split(": ", 1) for line in r.stdout.splitlines()) == {
@@ -428,7 +432,7 @@ def test_facts_need_only_the_standard_library_and_match_the_rig(image, tmp_path)
         "torch": "2.13.0", "expect": ""}
     # the verify of the Dockerfile's RUN line too: the target and the tarball, in one process
     art = pack(tmp_path, "artifacts", image.facts())
-    r = subprocess.run([sys.executable, "-S", "-m", "rig.container", "verify", "--artifacts", str(art)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-S", "-m", "rig.build.container", "verify", "--artifacts", str(art)], cwd=ROOT,
                        env=image.env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert f"verified and installed {len(FILES)} files into {image.vllm}" in r.stdout
@@ -438,7 +442,7 @@ def test_facts_need_only_the_standard_library_and_match_the_rig(image, tmp_path)
 @pytest.mark.parametrize("cmd", [["target"], ["verify", "--artifacts", "/nonexistent"]])
 def test_target_without_a_build_record_names_what_to_run(tmp_path, cmd):
     env = {**os.environ, "RIG_STATE": str(tmp_path / "state"), "VENV_DIR": str(tmp_path / "venv")}
-    r = subprocess.run([sys.executable, "-m", "rig.container", *cmd], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "rig.build.container", *cmd], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 2 and not r.stdout
     assert "build.toml" in r.stderr and "./build.sh --only tools,tree,venv,runtime,toolchain" in r.stderr
@@ -515,8 +519,8 @@ def test_compose_renders_with_the_example_env(tmp_path):
     assert svc["healthcheck"]["test"] == HEALTH_CHECK
 
 
-#: compose's health check: a one-token generation by the running rig (rig/health.py), never /v1/models
-HEALTH_CHECK = ["CMD", "python3", "-m", "rig.health"]
+#: compose's health check: a one-token generation by the running rig (rig/running/health.py), never /v1/models
+HEALTH_CHECK = ["CMD", "python3", "-m", "rig.running.health"]
 
 
 def test_the_cpu_variant_renders_with_the_example_env_and_shares_the_gpu_services_policies(tmp_path):

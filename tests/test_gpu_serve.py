@@ -28,8 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig import box  # noqa: E402 - NVML is imported when read_nvml runs
-from rig.cudastub import driver_loadable  # noqa: E402 - standard library only
+from rig.build.cudastub import driver_loadable  # noqa: E402 - standard library only
+from rig.plan import box  # noqa: E402 - NVML is imported when read_nvml runs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(), reason="no NVIDIA driver here")]
 

@@ -1,4 +1,4 @@
-"""The free-GPU gate (rig/gpugate.py) on recorded NVML readings, with a fake clock: no test sleeps for real."""
+"""The free-GPU gate (rig/running/gpugate.py) on recorded NVML readings, with a fake clock: no test sleeps for real."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import pytest
 import test_serve
 from conftest import ROOT, run_rig
 
-from rig import box, config, gpugate, supervise
-from rig import start as starting
-from rig.errors import BadInput, WorkFailed
+from rig.base.errors import BadInput, WorkFailed
+from rig.control import start as starting
+from rig.facts import config
+from rig.plan import box
+from rig.running import gpugate, supervise
 
 rig_env, roomy = test_serve.rig_env, test_serve.roomy  # the start path's fixtures
 
@@ -194,7 +196,7 @@ def test_bad_gpu_wait_exits_2_from_the_command_line(rig_env):
     assert "GPU_WAIT: expected a whole number >= 0" in r.err and "'a minute'" in r.err and "command:" not in r.out
 
 
-# --- the gate on the start path (rig/start.py), with read_nvml and the clock replaced ----------------------
+# --- the gate on the start path (rig/control/start.py), with read_nvml and the clock replaced ----------------------
 
 @pytest.fixture
 def fake_gate(monkeypatch):

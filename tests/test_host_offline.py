@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import build_env, checkout_copy
 
-from rig import bundle, venvs
-from rig.hashing import sha256_file as sha256
+from rig.base import venvs
+from rig.base.hashing import sha256_file as sha256
+from rig.build import bundle
 
 pytestmark = pytest.mark.slow
 
@@ -160,8 +161,8 @@ def test_the_offline_build_needs_no_network(offline_build, host_build):
 
 
 def _open(dest: Path, src: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["python3", "-m", "rig.bundle", "open", str(src)], cwd=dest, capture_output=True, text=True,
-                          env=build_env(PYTHONPATH=str(dest), **env), timeout=600)
+    return subprocess.run(["python3", "-m", "rig.build.bundle", "open", str(src)], cwd=dest, capture_output=True,
+                          text=True, env=build_env(PYTHONPATH=str(dest), **env), timeout=600)
 
 
 def _copy(src: Path, dest: Path) -> Path:

@@ -1,4 +1,4 @@
-"""``nox -s image`` (rig/image.py): its refusals before anything starts (CI), and the real images built by the
+"""``nox -s image`` (rig/build/image.py): its refusals before anything starts (CI), and the real images built by the
 real builder of this box (marked ``image``: minutes and about 10 GB each; ``-m image`` runs them alone): the CUDA
 image, and the CPU variant, run with podman and podman-compose serving the demo model.
 """
@@ -19,8 +19,12 @@ import pytest
 from conftest import ROOT, run_rig
 from test_serve import free_port
 
-from rig import artifacts, bundlewrite, config, demo, health, testdeps
-from rig import image as rig_image
+from rig.base import testdeps
+from rig.build import artifacts, demo
+from rig.build import image as rig_image
+from rig.control import bundlewrite
+from rig.facts import config
+from rig.running import health
 
 
 def env_with(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -239,7 +243,7 @@ def test_the_cpu_image_serves_the_demo_read_only_and_a_stop_or_compose_down_leav
         pytest.skip(f"no {s.artifacts_dir}: run DEVICE=cpu ./build.sh first")
     missing = testdeps.ensure(testdeps.IMAGE_RUN)
     if missing or not shutil.which("podman-compose"):
-        pytest.skip(f"needs {' '.join(missing) or 'podman-compose'} (python -m rig.testdeps --image; the test "
+        pytest.skip(f"needs {' '.join(missing) or 'podman-compose'} (python -m rig.base.testdeps --image; the test "
                     "extras)")
     # the build as a user runs it: its RUN steps (chroot isolation) take no containers.conf of the test's
     build_env = {**os.environ, "DEVICE": "cpu", "IMAGE": CPU_TAG, "RIG_STATE": str(tmp_path / "state")}
@@ -310,7 +314,7 @@ def compose_up_and_down(env: dict[str, str], name: str, demo_dir: Path, tmp_path
                            timeout=120)
     assert check.returncode == 0 and "unhealthy" not in check.stdout, check.stdout + check.stderr
     info = inspect(env, name)
-    assert info["Config"]["Healthcheck"]["Test"][-3:] == ["python3", "-m", "rig.health"], info["Config"]
+    assert info["Config"]["Healthcheck"]["Test"][-3:] == ["python3", "-m", "rig.running.health"], info["Config"]
     procs = tree(info["State"]["Pid"])
     down = stop_leaves_nothing(cenv, procs, [*compose, "down"], name)
     assert subprocess.run(["podman", "container", "exists", name], env=env).returncode == 1  # removed

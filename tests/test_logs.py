@@ -12,7 +12,8 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from rig import logs, logview
+from rig.control import logview
+from rig.running import logs
 
 STATS = ("Engine 000: Avg prompt throughput: 2254.6 tokens/s, Avg generation throughput: 131.8 tokens/s, "
          "Running: 4 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.2%, Prefix cache hit rate: 38.5%")

@@ -17,10 +17,13 @@ import psutil
 import pytest
 from conftest import run_rig
 
-from rig import config, engine, enginerec, netif
-from rig.errors import BadInput
+from rig.base import netif
+from rig.base.errors import BadInput
+from rig.facts import config
 from rig.nodes import client
 from rig.nodes import registry as nodes_registry
+from rig.plan import engine
+from rig.running import enginerec
 
 HEAD = {"tree": "t" * 40, "ops_obj": "o" * 64, "device": "cpu", "cards": 1, "config": "c" * 64}
 SECRET = "s" * 64

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, WHEEL, Index, run_rig
 
-from rig import config, products, record, venvs
-from rig.buildlock import BuildLock
-from rig.kernels import route
+from rig.base import venvs
+from rig.build.buildlock import BuildLock
+from rig.build.kernels import route
+from rig.facts import config, products, record
 
 PY_PATCH = {"vllm/entrypoints/api.py": "".join(f"# api line {i}\n" for i in range(1, 31))
             + "def serve():\n    return 'patched'\n"}
@@ -278,8 +279,8 @@ def test_pack_once_then_current_then_repacked_without_compiling(series, ops_env,
     assert "skipped (--no-pack or PACK=0)" in skipped.out
     # a tarball swapped for another valid one of the same kernels: not the one this build packed
     other = tmp_path / "other"
-    from rig import artifacts
-    from rig.steps.pack import manifest_facts
+    from rig.build import artifacts
+    from rig.build.steps.pack import manifest_facts
     s = config.settings(env)
     vllm_dir = s.vllm_dir
     facts = manifest_facts(s, record.load(s.state_dir, s.device))

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig.cudastub import driver_loadable  # noqa: E402 - standard library only
+from rig.build.cudastub import driver_loadable  # noqa: E402 - standard library only
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(), reason="no NVIDIA driver here")]
 

@@ -30,7 +30,7 @@ from test_serve_real import (
     tomllib_load,
 )
 
-from rig.engine import SERIES_VARS
+from rig.plan.engine import SERIES_VARS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.ple]
 

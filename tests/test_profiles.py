@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rig import config, engine, profiles, topology
-from rig.errors import BadInput
+from rig.base.errors import BadInput
+from rig.facts import config, profiles
+from rig.plan import engine, topology
 
 GOOD = '''description = "d"
 device = "cuda"

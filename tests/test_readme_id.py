@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import ROOT, variables_table
 
-from rig import config
+from rig.facts import config
 
 
 def headings(text: str) -> list[tuple[str, tuple[str, ...]]]:

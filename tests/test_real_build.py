@@ -54,7 +54,8 @@ def parsed(fresh) -> tuple[dict[str, list[str]], dict[str, dict]]:
     rank), each taken by v0.30.0's own serve parser and validation, in one process (tests/vllm_parse.py)."""
     import json
 
-    from rig import config, engine, profiles, topology
+    from rig.facts import config, profiles
+    from rig.plan import engine, topology
 
     dest, _, env = fresh
     s = config.settings({"VENV_DIR": str(dest / ".venv")}, root=dest)

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 from test_artifacts import verify_cli
 
-from rig import config, record
-from rig.kernels.target import of_build
+from rig.build.kernels.target import of_build
+from rig.facts import config, record
 
 pytestmark = pytest.mark.slow
 

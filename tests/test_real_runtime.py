@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from conftest import ROOT, run_rig
 
-from rig.steps import toolchain
+from rig.build.steps import toolchain
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_lock_session_regenerates_an_equivalent_lock(tmp_path):
     env = {**os.environ, "RUNTIME_LOCK": str(tmp_path / "runtime.lock")}
     r = run_rig(env, "lock", timeout=600)
     assert r.code == 0, r.text
-    from rig.steps.runtime import read_lock
+    from rig.build.steps.runtime import read_lock
     new, old = read_lock(tmp_path / "runtime.lock"), read_lock(ROOT / "scripts/runtime.lock")
     assert new.pins["torch"][0] == old.pins["torch"][0] == "2.13.0"
     assert abs(len(new.pins) - len(old.pins)) <= 10

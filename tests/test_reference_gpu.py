@@ -1,6 +1,6 @@
 """The reference model's shape on a real card: ``PROFILE=reference-tiny ./start.sh`` (models/reference-tiny.toml).
 
-A tiny Qwen3-Next made on the box (rig/refshape.py): Gated DeltaNet and full attention, a W4A16 MoE in the
+A tiny Qwen3-Next made on the box (rig/build/refshape.py): Gated DeltaNet and full attention, a W4A16 MoE in the
 reference's compressed-tensors format, an MTP head; served with the reference's own settings: FP8 KV with its
 scales sidecar, MTP K=3, CUDA graphs up to MAX_SEQS x (1 + K). Runs on a GPU box with the build current (the
 offline bundle of docs/gpu.md: ``tests/gpu_box.sh BUNDLE reference``) and skips elsewhere: CI has no GPU.
@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 from test_gpu_serve import KEY, engine_state, free_port, log_of, nox, request, server_argv, wait_card_free
 
-from rig import enginerec, serve
-from rig.cudastub import driver_loadable
-from rig.health import health
+from rig.build.cudastub import driver_loadable
+from rig.plan import serve
+from rig.running import enginerec
+from rig.running.health import health
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(), reason="no NVIDIA driver here")]
 

@@ -1,5 +1,5 @@
-"""The reference-tiny checkpoint (rig/refshape.py, kind ``qwen3next``): made by the CPU build's serving venv as
-``./start.sh`` makes it (rig.demo.ensure), twice alike; its W4A16 format read back with compressed-tensors; and
+"""The reference-tiny checkpoint (rig/build/refshape.py, kind ``qwen3next``): made by the CPU build's serving venv as
+``./start.sh`` makes it (rig.build.demo.ensure), twice alike; its W4A16 format read back with compressed-tensors; and
 every tensor vLLM v0.30.0's Qwen3NextForCausalLM and Qwen3NextMTP load, by names derived here from its config."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from rig import demo
+from rig.build import demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -45,7 +45,7 @@ def test_made_twice_every_file_hashes_the_same(made):
 
 def check(python: Path, *folders: Path) -> list[list[str]]:
     """refshape.check_format on each folder, in the serving venv (compressed-tensors and torch are there)."""
-    code = ("import json, sys; from pathlib import Path; from rig import refshape; "
+    code = ("import json, sys; from pathlib import Path; from rig.build import refshape; "
             "print(json.dumps([refshape.check_format(Path(f)) for f in sys.argv[1:]]))")
     r = subprocess.run([str(python), "-c", code, *map(str, folders)], cwd=ROOT, capture_output=True, text=True,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_rig
 
-from rig import config, uv, venvs
-from rig.steps import runtime
+from rig.base import venvs
+from rig.build.steps import runtime
+from rig.facts import config, uv
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,12 @@ import psutil
 import pytest
 from conftest import ROOT, run_rig
 
-from rig import box, config, enginerec, supervise
-from rig import start as starting
-from rig.engine import runtime_dir
-from rig.errors import BadInput
+from rig.base.errors import BadInput
+from rig.control import start as starting
+from rig.facts import config
+from rig.plan import box
+from rig.plan.engine import runtime_dir
+from rig.running import enginerec, supervise
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
 
@@ -300,7 +302,7 @@ def roomy(monkeypatch):
     """This machine's RAM and /dev/shm are smaller than the reference box's: only the GPU facts are tested."""
     import dataclasses
 
-    from rig import profiles
+    from rig.facts import profiles
 
     ref = profiles.load("reference")
     roomy_ref = dataclasses.replace(ref, box=dataclasses.replace(ref.box, ram_gib=0.1, shm_gb=0.0, disk_gb=0.0))
@@ -390,7 +392,7 @@ def test_clear_cache_refuses_a_root_that_holds_anything_else(rig_env, tmp_path):
 
 
 def test_clear_cache_removes_only_the_rig_subfolders_and_never_through_a_link(tmp_path):
-    from rig import engine
+    from rig.plan import engine
 
     root = tmp_path / "cache"
     outside = tmp_path / "elsewhere"
@@ -574,7 +576,7 @@ def test_following_the_cpu_engines_fix_clears_it(tmp_path):
     """The fix: a profile of one's own on the same base without [speculative]."""
     import shutil
 
-    from rig import profiles
+    from rig.facts import profiles
 
     for name in ("reference", "reference-tiny"):
         shutil.copy(profiles.MODELS_DIR / f"{name}.toml", tmp_path)
@@ -588,7 +590,7 @@ def test_following_the_cpu_engines_fix_clears_it(tmp_path):
 
 
 def test_the_int4_moe_needs_amx_on_the_cpu():
-    from rig import cpuinfo
+    from rig.base import cpuinfo
 
     gaps = cpuinfo.engine_gaps(TINY_CONFIG, {}, ["avx2", "avx512f"])
     assert len(gaps) == 1 and "needs AMX" in gaps[0][1] and "8 experts" in gaps[0][0]

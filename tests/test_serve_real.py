@@ -23,8 +23,8 @@ import psutil
 import pytest
 from conftest import engine_like
 
-from rig import demo
-from rig.engine import SERIES_VARS
+from rig.build import demo
+from rig.plan.engine import SERIES_VARS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -206,7 +206,7 @@ def test_status_reports_the_running_real_engine(served):
 
 
 def test_the_container_health_check_is_a_one_token_generation_needing_only_the_standard_library(served, tmp_path):
-    """``python3 -m rig.health``, compose's health check, run by the system's own python3 (the image has no rig
+    """``python3 -m rig.running.health``, compose's health check, run by the system's own python3 (the image has no rig
     dependency outside the venv): the running engine's model and port from its record, the key from the
     environment; a wrong key or no engine started yet fails it, saying which."""
     dest, env, r, _, _ = served
@@ -214,7 +214,7 @@ def test_the_container_health_check_is_a_one_token_generation_needing_only_the_s
     py = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 
     def check(**extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([py, "-m", "rig.health"], cwd=dest, env={**env, **extra}, capture_output=True,
+        return subprocess.run([py, "-m", "rig.running.health"], cwd=dest, env={**env, **extra}, capture_output=True,
                               text=True, timeout=120)
 
     ok = check()
@@ -525,7 +525,7 @@ def test_a_worker_that_joined_and_started_no_engine_ends_the_heads_start_naming_
     """The head's side of a worker that joins and then starts nothing (a crash, or an engine already running
     there): vLLM's init on the head would wait for it until START_TIMEOUT; the head names it within LOST s of its
     go, ends its start with exit 1, and leaves nothing running."""
-    from rig import config
+    from rig.facts import config
     from rig.nodes import client
 
     dest, env, r, _, _ = served

@@ -18,10 +18,12 @@ import pytest
 import test_serve
 from conftest import ROOT, run_rig
 
-from rig import config, enginerec, health, profiles, service, unitfile
-from rig.unitfile import NotifySocket, commands
-from rig.unitfile import environment as unit_env
-from rig.unitfile import settings as settings_of
+from rig.control import service, unitfile
+from rig.control.unitfile import NotifySocket, commands
+from rig.control.unitfile import environment as unit_env
+from rig.control.unitfile import settings as settings_of
+from rig.facts import config, profiles
+from rig.running import enginerec, health
 
 rig_env = test_serve.rig_env  # the engine double as .venv/bin/vllm
 
@@ -107,7 +109,7 @@ def test_forced_rotations_while_the_engine_writes_lose_no_line(tmp_path):
     conf = tmp_path / "vllm.conf"
     conf.write_text(service.render_logrotate(ROOT, str(log)).replace("    su root root\n", ""))
     n = 1500
-    w = subprocess.Popen([sys.executable, "-m", "rig.logpump", str(log), "--", sys.executable, "-c", PRODUCER,
+    w = subprocess.Popen([sys.executable, "-m", "rig.running.logpump", str(log), "--", sys.executable, "-c", PRODUCER,
                           str(n)], cwd=ROOT)
     rotations = 0
     while w.poll() is None:
@@ -127,10 +129,10 @@ def test_forced_rotations_while_the_engine_writes_lose_no_line(tmp_path):
 
 def test_the_log_writer_passes_the_exit_status_and_ignores_sigterm(tmp_path):
     log = tmp_path / "x.log"
-    r = subprocess.run([sys.executable, "-m", "rig.logpump", str(log), "--", sys.executable, "-c",
+    r = subprocess.run([sys.executable, "-m", "rig.running.logpump", str(log), "--", sys.executable, "-c",
                         "print('bye'); raise SystemExit(7)"], cwd=ROOT)
     assert r.returncode == 7 and log.read_text() == "bye\n"
-    r = subprocess.run([sys.executable, "-m", "rig.logpump", str(log), "--", "/no/such/engine"], cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "rig.running.logpump", str(log), "--", "/no/such/engine"], cwd=ROOT)
     assert r.returncode == 127 and "could not start /no/such/engine" in log.read_text()
 
 
@@ -203,7 +205,7 @@ def test_logs_of_a_missing_log_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("verb", ["install", "uninstall"])
 def test_without_a_prefix_it_needs_root(monkeypatch, verb):
-    from rig.errors import BadInput
+    from rig.base.errors import BadInput
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.delenv("DESTDIR", raising=False)
@@ -216,7 +218,8 @@ def test_without_a_prefix_it_needs_root(monkeypatch, verb):
 
 def test_the_environment_file_uncommented_as_written_keeps_every_default():
     """Uncommenting a line must not set a value the default never had (the word 'empty', 'unset')."""
-    from rig import config, service
+    from rig.control import service
+    from rig.facts import config
 
     env = {}
     for line in service.render_env().splitlines():
@@ -366,7 +369,7 @@ def test_a_worker_node_is_installed_with_its_rank_and_the_same_unit(tmp_path):
 def test_the_units_limits_are_read_from_the_unit_itself():
     import resource
 
-    from rig import limits
+    from rig.base import limits
     assert limits.asked() == {"LimitNOFILE": 65536, "LimitMEMLOCK": resource.RLIM_INFINITY}
 
 
@@ -412,7 +415,7 @@ def test_a_full_log_disk_drops_lines_and_says_so_and_the_engine_never_blocks(tmp
     try:
         log = disk / "vllm.log"
         n = 3000
-        w = subprocess.Popen([sys.executable, "-m", "rig.logpump", str(log), "--", sys.executable, "-c", STEADY,
+        w = subprocess.Popen([sys.executable, "-m", "rig.running.logpump", str(log), "--", sys.executable, "-c", STEADY,
                               str(n)], cwd=ROOT)
         time.sleep(1.0)
         filler = disk / "filler"

@@ -1,4 +1,4 @@
-"""Which build is current (rig/slots.py): the pointer file every command reads its build's paths through."""
+"""Which build is current (rig/facts/slots.py): the pointer file every command reads its build's paths through."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import run_rig
 
-from rig import config, record, slots
-from rig.errors import BadInput
+from rig.base.errors import BadInput
+from rig.facts import config, record, slots
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -27,7 +27,7 @@ from conftest import ROOT, checkout_copy
 from test_serve_real import KEY, bare_env, completion, free_port
 from test_update_real import series_with
 
-from rig import testdeps
+from rig.base import testdeps
 
 pytestmark = pytest.mark.systemd
 
@@ -97,7 +97,7 @@ def unit(tmp_path_factory):
         pytest.skip("needs root: systemd-nspawn boots the container")
     missing = testdeps.ensure(testdeps.BOOTED)
     if missing:
-        pytest.skip(f"needs {' '.join(missing)} (python -m rig.testdeps --booted installs them)")
+        pytest.skip(f"needs {' '.join(missing)} (python -m rig.base.testdeps --booted installs them)")
     cache = Path(os.environ.get("RIG_CACHE", Path.home() / ".cache" / "vllm-rig"))
     root = root_fs(cache)
     copy = checkout_copy(tmp_path_factory.mktemp("unit") / "rig")

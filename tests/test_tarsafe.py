@@ -1,4 +1,4 @@
-"""rig.tarsafe: tarfile's ``data`` filter where the Python lacks it (Debian 12's python3 is 3.11.2, before 3.11.4).
+"""rig.base.tarsafe: tarfile's ``data`` filter where the Python lacks it (Debian 12's python3 is 3.11.2, before 3.11.4).
 
 The fallback is held against tarfile's own filter member by member, then run for real on Debian's python3.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rig import tarsafe
+from rig.base import tarsafe
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBIAN = Path("/usr/bin/python3")
@@ -73,7 +73,7 @@ def test_renamed_leaves_the_original_alone():
 
 SCRIPT = r"""
 import io, os, sys, tarfile
-from rig import tarsafe
+from rig.base import tarsafe
 
 assert not tarsafe.NATIVE, "this python has tarfile.data_filter"
 def tar(*members):

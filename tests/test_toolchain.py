@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from rig import config, cudastub
-from rig.errors import BadInput
-from rig.steps import toolchain
+from rig.base.errors import BadInput
+from rig.build import cudastub
+from rig.build.steps import toolchain
+from rig.facts import config
 
 SYSTEM = Path("/usr/local/cuda")
 needs_toolkit = pytest.mark.skipif(not (SYSTEM / "include" / "cuda.h").exists(), reason="no CUDA toolkit here")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rig import topology
+from rig.plan import topology
 
 
 def no_p2p(n: int) -> dict:

@@ -371,8 +371,8 @@ def test_second_build_is_told_who_holds_the_lock(series, rig_env, tmp_path):
 def test_two_state_folders_on_one_checkout_share_the_venvs_and_the_trees_locks(series, rig_env, tmp_path):
     """The lock sits beside the venv and the tree: a build from another RIG_STATE that would install into the
     same venv is refused, naming the venv's lock and its holder, and gets it once the holder is gone."""
-    from rig import config
-    from rig.buildlock import BuildLock
+    from rig.build.buildlock import BuildLock
+    from rig.facts import config
     env = {**rig_env, "VENV_DIR": str(tmp_path / "venv")}
     other = config.settings({**env, "RIG_STATE": str(tmp_path / "other-state")}, root=ROOT)
     with BuildLock(other, "a build from the other state folder"):

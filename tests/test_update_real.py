@@ -21,7 +21,7 @@ import psutil
 import pytest
 from test_serve_real import KEY, bare_env, nox, os_pgid, start_demo, tomllib_load
 
-from rig import slots
+from rig.facts import slots
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

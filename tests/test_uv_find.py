@@ -1,4 +1,4 @@
-"""rig.uv.find: the uv a benchmark runs, found as scripts/nox.sh finds it (UV, PATH, .rig/uv, else fetched)."""
+"""rig.facts.uv.find: the uv a benchmark runs, found as scripts/nox.sh finds it (UV, PATH, .rig/uv, else fetched)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rig import uv
-from rig.errors import BadInput, WorkFailed
+from rig.base.errors import BadInput, WorkFailed
+from rig.facts import uv
 
 
 def fake_uv(folder: Path, name: str = "uv") -> Path:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import run_rig
 
-from rig import config
-from rig.steps import venv
+from rig.build.steps import venv
+from rig.facts import config
 
 
 def env_for(tmp_path: Path, **extra) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The hang watchdog (rig/watchdog.py): the /metrics parser and the decision on samples with a fake clock (no
+"""The hang watchdog (rig/running/watchdog.py): the /metrics parser and the decision on samples with a fake clock (no
 test sleeps for it), then the foreground supervisor and ``nox -s status`` on the engine double.
 
 The double hangs on demand (``DOUBLE_HANG_AFTER``): it accepts requests and never answers them, the token
@@ -22,9 +22,10 @@ import pytest
 import test_serve
 from conftest import ROOT, run_rig
 
-from rig import config, enginerec, sdnotify, watchdog
-from rig.errors import BadInput
-from rig.watchdog import Sample, Tracker
+from rig.base.errors import BadInput
+from rig.facts import config
+from rig.running import enginerec, sdnotify, watchdog
+from rig.running.watchdog import Sample, Tracker
 
 rig_env = test_serve.rig_env  # the start path's fixture: the double as .venv/bin/vllm
 

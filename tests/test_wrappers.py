@@ -10,8 +10,8 @@ import tomllib
 
 from conftest import ROOT
 
-from rig import config
-from rig.steps.order import ORDER
+from rig.build.steps.order import ORDER
+from rig.facts import config
 
 WRAPPERS = ["build.sh", "start.sh", "vllm-logs.sh", "scripts/nox.sh", "scripts/gen-cuda-stub.sh"]
 

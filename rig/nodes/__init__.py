@@ -15,5 +15,5 @@ adds what users trip over around it:
   leaves. ``status`` on the head lists every node from those beats.
 
 ``RIG_STATE/nodes.toml`` says which role this node plays and the pid of its registry or agent. The Ray cluster
-(``DIST_BACKEND=ray``) is rig/raycluster.py, beside this package in the same layer.
+(``DIST_BACKEND=ray``) is rig/nodes/raycluster.py, in this package: the nodes layer's folder.
 """

@@ -2,7 +2,7 @@
 
 A worker's start spawns it (:func:`start`) in a session of its own, with the start's environment: it beats to
 the head's registry every second with its engine's state, and stops the engine when the head says so, or when
-it has lost the head for ``LOST`` seconds, with the rig's own stop (rig/enginerec.py), then leaves. What it says
+it has lost the head for ``LOST`` seconds, with the rig's own stop (rig/running/enginerec.py), then leaves. What it says
 goes to ``RIG_STATE/agent.log``.
 """
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 import threading
 import time
 
-from rig import config, enginerec, raycluster
-from rig.config import Serve, Settings
-from rig.console import stamped
-from rig.nodes import client
+from rig.base.console import stamped
+from rig.facts import config
+from rig.facts.config import Serve, Settings
+from rig.nodes import client, raycluster
 from rig.nodes.client import Role, call
+from rig.running import enginerec
 
 
 def start(s: Settings, v: Serve, env: dict[str, str]) -> None:

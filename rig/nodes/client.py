@@ -25,12 +25,16 @@ from pathlib import Path
 import psutil
 import tomli_w
 
-from rig import REPO_ROOT, atomic, enginerec, netif, raycluster, series
-from rig.box import Check
-from rig.config import Serve, Settings
-from rig.console import say
-from rig.errors import BadInput, WorkFailed, problem
-from rig.gitutil import Git
+from rig import REPO_ROOT
+from rig.base import atomic, netif
+from rig.base.console import say
+from rig.base.errors import BadInput, WorkFailed, problem
+from rig.base.gitutil import Git
+from rig.facts import series
+from rig.facts.config import Serve, Settings
+from rig.nodes import raycluster
+from rig.plan.box import Check
+from rig.running import enginerec
 
 BEAT = 1.0  # seconds between an agent's beats
 LOST = 10.0  # a worker with no beat for this long counts as lost; an agent without the head this long stops
@@ -45,7 +49,7 @@ LABELS = {"tree": "tree id", "ops_obj": "OPS_OBJ", "device": "device", "cards": 
 def identity(s: Settings, cards: int, ray: bool = False) -> dict:
     """This node's build and checkpoint, read from the tree and the files themselves (not from a record that
     could be stale), as the head compares them."""
-    from rig.steps.tree import ops_obj  # the build's tree step (slow to import): only a multi-node start asks
+    from rig.build.steps.tree import ops_obj  # the build's tree step (slow to import): only a multi-node start asks
 
     repo = Git(s.vllm_dir)
     code, tree, _ = repo.run("rev-parse", "HEAD^{tree}", check=False)

@@ -1,8 +1,9 @@
-"""This node's part of a multi-node engine, taking the plan and returning the outcome (rig/start.py calls it once).
+"""This node's part of a multi-node engine, taking the plan and returning the outcome (rig/control/start.py calls it
+once).
 
 The head opens the registry (rig/nodes/registry.py), waits for every worker with its own build, then starts its
 engine and tells the workers to start theirs; a worker joins, waits for the head's go, and starts headless beside
-its agent (rig/nodes/agent.py). With ``DIST_BACKEND=ray`` the Ray cluster comes first (rig/raycluster.py).
+its agent (rig/nodes/agent.py). With ``DIST_BACKEND=ray`` the Ray cluster comes first (rig/nodes/raycluster.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from rig import enginerec, raycluster, serve, supervise
-from rig.config import Serve, Settings
-from rig.console import say
-from rig.errors import BadInput, problem
-from rig.nodes import agent, client, registry
+from rig.base.console import say
+from rig.base.errors import BadInput, problem
+from rig.facts.config import Serve, Settings
+from rig.nodes import agent, client, raycluster, registry
+from rig.plan import serve
+from rig.running import enginerec, supervise
 
 
 def worker_engine(s: Settings, v: Serve, rec: enginerec.Record) -> bool:

@@ -19,9 +19,9 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from rig.config import Serve, Settings
-from rig.console import say, stamped
-from rig.errors import BadInput, WorkFailed, problem
+from rig.base.console import say, stamped
+from rig.base.errors import BadInput, WorkFailed, problem
+from rig.facts.config import Serve, Settings
 from rig.nodes import client
 from rig.nodes.client import Role, call
 

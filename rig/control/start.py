@@ -1,0 +1,156 @@
+"""``./start.sh``, the act: the build if needed, the plan (rig/plan/serve.py), the free-GPU gate, the engine, the nodes.
+
+The plan says what would run; this module does it, in order: an earlier engine's leftovers are ended (or a
+running engine is reported), the build is brought up to date, the demo model is made, the box check stops a
+box that fails it (exit 2), the caches are emptied on request, the free-GPU gate waits for the cards
+(rig/running/gpugate.py), and the engine starts under supervision (rig/running/supervise.py). Across nodes it plays this
+node's part (rig/nodes/): the head opens the registry and waits for every worker before its engine starts; a worker
+joins, waits for the head's go, and starts headless beside its agent. ``--dry-run`` prints the plan, starts
+nothing, and exits 2 after it when the box check or ``LOG`` would stop a real start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from rig.base import limits
+from rig.base.console import say, warn
+from rig.base.errors import BadInput
+from rig.build import demo
+from rig.build.buildlock import BuildLock
+from rig.build.steps import pipeline
+from rig.build.steps.order import steps
+from rig.facts import config
+from rig.facts.config import Serve, Settings
+from rig.nodes import part
+from rig.plan import box, engine, serve
+from rig.running import enginerec, gpugate, logs, sdnotify, supervise
+from rig.running.health import connect_host
+
+
+def run(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool, box_check: bool,
+        clear_cache: bool, demo_model: bool = False) -> int:
+    """``./start.sh``; returns the exit status."""
+    if demo_model:
+        env = demo_env(env)
+    s, v, p = serve.inputs(env)
+    say(f"profile: {p.name} ({p.path}); the {s.device} build")
+    if foreground and env.get(sdnotify.VAR):  # under the unit: the limits it asks for, as this process got them
+        for line in limits.shortfalls(limits.asked()):
+            warn(line)
+    if not dry_run and _earlier_engine(s, v, attached=foreground or not s.log):
+        return 0
+    if build:
+        _build_if_needed(s, dry_run)
+    if p.name in demo.MADE:
+        _demo_model(s, env, demo.MADE[p.name], dry_run)
+    report = serve.check_box(s, v, p, box_check)
+    serve.show_box(report, dry_run)
+    if report.refusal and not dry_run:
+        raise BadInput(report.refusal)
+    plan = serve.plan(s, v, p, report, foreground=foreground)
+    serve.show(plan)
+    if dry_run:
+        return _dry_run(plan)
+    if clear_cache:
+        removed = engine.clear_cache(v.cache_root)
+        say(f"cache: emptied {v.cache_root} ({', '.join(removed) or 'nothing there yet'})")
+    if plan.gate:  # last, so that nothing between the wait and the engine's own memory reading takes long
+        gpugate.wait_free(box.read_nvml, plan.gate, v.gpu_wait)
+    if v.nodes > 1:
+        return part.run(plan, env)
+    code = supervise.start(supervise.Launch.of(plan))
+    if code == 0 and not plan.foreground:
+        key = ' -H "Authorization: Bearer $VLLM_API_KEY"' if v.api_key else ""
+        say(f"try it: curl -s http://{connect_host(s.host)}:{s.port}/v1/chat/completions{key} "
+            f"-H 'Content-Type: application/json' -d '{{\"model\": \"{v.names[0]}\", \"messages\": "
+            f"[{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 16}}'")
+        say("stop it: scripts/nox.sh -s stop")
+    return code
+
+
+def _dry_run(plan: serve.Plan) -> int:
+    """The rest of the plan a dry run shows (the cards' state, the command, the log); exit 2 after it when the
+    box check or ``LOG`` would stop a real start."""
+    s, v = plan.s, plan.v
+    refusals = [plan.report.refusal] if plan.report.refusal else []  # a build box has no GPU: show what would run
+    if plan.gate:
+        say(gpugate.summary(plan.report.reading, plan.gate, v.gpu_wait))
+    serve.show_command(plan)
+    if s.log:
+        try:
+            logs.check_log(s.log)
+        except BadInput as exc:
+            refusals.append(exc.message)
+    say(f"log: {s.log or 'the terminal (LOG is empty)'}; mode: {'foreground' if plan.foreground else 'detached'}; "
+        "dry run: nothing started")
+    if refusals:
+        raise BadInput("; ".join(refusals))
+    return 0
+
+
+def _earlier_engine(s: Settings, v: Serve, attached: bool) -> bool:
+    """An engine of an earlier start: its leftovers are ended when its server is gone; one that runs is reported
+    (True: nothing to start), or refused in the foreground. A worker refuses one that is not already its rank's
+    part of this head's engine (rig/nodes/part.py's :func:`worker_engine`)."""
+    rec = enginerec.load(s)
+    if rec and not enginerec.server_alive(rec):
+        warn(f"an earlier engine's server (pid {rec.pid}) is gone, but processes of its group are left: "
+             f"{enginerec.leftovers(rec)}; ending them before the start (they hold memory the new engine needs)")
+        enginerec.terminate(rec.pgid, v.stop_timeout)
+        enginerec.pid_path(s).unlink(missing_ok=True)
+        return False
+    if rec is None:
+        return False
+    if v.nodes > 1 and v.node_rank:
+        return part.worker_engine(s, v, rec)
+    enginerec.already_running(rec, attached)
+    return True
+
+
+def _build_if_needed(s: Settings, dry_run: bool) -> None:
+    t0 = time.monotonic()
+    stale = pipeline.first_stale(steps(), s)
+    if stale is None:
+        say(f"build: current ({time.monotonic() - t0:.2f} s to check)")
+        return
+    step, reason = stale
+    if dry_run:
+        say(f"build: step {step} is not current ({reason}); a real start runs ./build.sh first")
+        return
+    say(f"build: step {step} is not current ({reason}): running ./build.sh first")
+    opts = pipeline.Options(pack=s.pack)
+    with BuildLock(s, "start"):
+        pipeline.run(steps(), s, opts)
+
+
+def demo_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``--demo``: the demo model on the CUDA build (``demo-gpu``: FP8 KV, CUDA graphs) when that build is current on
+    a box with a driver, else on the CPU's (``demo``)."""
+    env = {**env, "PROFILE": "demo"}
+    if not env.get("DEVICE", "").strip():
+        cuda = config.settings({**env, "DEVICE": "cuda"})
+        try:
+            box.read_nvml()
+            current = pipeline.first_stale(steps(), cuda) is None
+        except box.NoDriver:
+            current = False
+        env["DEVICE"] = "cuda" if current else "cpu"
+        say("demo: the CUDA build is current on this GPU box: serving with it" if current else
+            "demo: serving with the CPU build (DEVICE=cpu; ./build.sh makes it when needed)")
+    env["PROFILE"] = demo.PROFILES.get(env["DEVICE"].strip(), "demo")  # a bad DEVICE: its own error, later
+    return env
+
+
+def _demo_model(s: Settings, env: Mapping[str, str], kind: str, dry_run: bool) -> None:
+    """The demo checkpoint, made on the box when it is missing (only the profile's own folder: never a CKPT)."""
+    if env.get("CKPT", "").strip():
+        return
+    if demo.ready(s.ckpt, kind):
+        say(f"demo model: {s.ckpt}")
+    elif dry_run:
+        say(f"demo model: {s.ckpt} is not made yet; a real start makes it (about 15 s)")
+    else:
+        _, took = demo.ensure(s.venv_dir / "bin" / "python", s.ckpt, s.root, kind)
+        say(f"demo model: made {s.ckpt} in {took:.1f} s (random weights, seeded: the same files every time)")

@@ -1,0 +1,154 @@
+"""Builds side by side, so that an update can switch to a new one and back (rig/control/update.py).
+
+A build lives in four places: its tree (``VLLM_DIR``), its venv (``VENV_DIR``), its kernels folder
+(``ARTIFACTS_DIR``) and its record. The checkout's own paths are the first build; an update makes the next one in
+a slot, ``RIG_STATE/slots/<device>-<time>/``, and ``RIG_STATE/slots-<device>.json`` names the current build and
+the previous one. Switching is one rename of that file, so a start, a build or a rollback reads either the old
+pair or the new one, never half of each. Every command reads its paths through :func:`applied`: with no pointer
+file, or with any of the three variables set by the user, the paths are the variables' own, as before.
+
+Standard library only: rig/facts/config.py reads the pointer for every command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rig.base import atomic
+from rig.base.errors import BadInput, problem
+
+FOLDER = "slots"
+VARIABLES = ("VLLM_DIR", "VENV_DIR", "ARTIFACTS_DIR")
+KEEP = 2  # the current build and the previous one
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one build lives. ``name`` is "" for the checkout's own paths (its record in ``RIG_STATE``)."""
+
+    name: str
+    vllm_dir: Path
+    venv_dir: Path
+    artifacts_dir: Path
+    record_dir: Path
+
+    def describe(self) -> str:
+        return f"slot {self.name}" if self.name else "the checkout's own build"
+
+    def folders(self) -> list[Path]:
+        """What removing this build removes: the slot folder, or nothing for the checkout's own paths."""
+        return [self.record_dir] if self.name else []
+
+
+def pointer(state_dir: Path, device: str) -> Path:
+    return Path(state_dir) / f"{FOLDER}-{device}.json"
+
+
+def _slot(entry: Any, where: Path) -> Slot:
+    try:
+        return Slot(str(entry["name"]), *(Path(entry[k]) for k in ("vllm_dir", "venv_dir", "artifacts_dir",
+                                                                    "record_dir")))
+    except (KeyError, TypeError) as exc:
+        raise BadInput(problem(str(where), "the rig's record of the current and the previous build",
+                               f"an entry without {exc}", "remove the file: the checkout's own build is used "
+                               "again (nox -s rollback needs it)")) from None
+
+
+def read(state_dir: Path, device: str) -> tuple[Slot | None, Slot | None]:
+    """The current build and the previous one; (None, None) before the first update."""
+    path = pointer(state_dir, device)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInput(problem(str(path), "JSON written by nox -s update", f"unreadable ({exc})",
+                               "remove the file: the checkout's own build is used again")) from None
+    prev = data.get("previous")
+    return _slot(data.get("current"), path), (_slot(prev, path) if prev else None)
+
+
+def write(state_dir: Path, device: str, current: Slot, previous: Slot | None) -> None:
+    """Name ``current`` and ``previous``: one atomic rename, the switch itself."""
+    def entry(s: Slot) -> dict[str, str]:
+        return {k: str(v) for k, v in dataclasses.asdict(s).items()}
+
+    data = {"current": entry(current), "previous": entry(previous) if previous else None,
+            "switched": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+    atomic.write_text(pointer(state_dir, device), json.dumps(data, indent=1) + "\n")
+
+
+def own(vllm_dir: Path, venv_dir: Path, artifacts_dir: Path, state_dir: Path) -> Slot:
+    """The checkout's own build: the variables' paths, the record in ``RIG_STATE``."""
+    return Slot("", Path(vllm_dir), Path(venv_dir), Path(artifacts_dir), Path(state_dir))
+
+
+def applied(s: Any, env: Mapping[str, str]) -> Any:
+    """``s`` (rig.facts.config.Settings) with the current build's paths, where an update switched to a slot and the
+    user did not name the paths."""
+    if any(env.get(n) for n in VARIABLES):
+        return s
+    current, _ = read(s.state_dir, s.device)
+    return s if current is None or not current.name else place(s, current)
+
+
+def place(s: Any, slot: Slot) -> Any:
+    """``s`` (rig.facts.config.Settings) with ``slot``'s paths: its tree, venv, kernels folder and record."""
+    return dataclasses.replace(s, vllm_dir=slot.vllm_dir, venv_dir=slot.venv_dir, artifacts_dir=slot.artifacts_dir,
+                               slot_dir=slot.record_dir if slot.name else None)
+
+
+def new(state_dir: Path, device: str, tree_name: str, venv_name: str, artifacts_name: str) -> Slot:
+    """A new, empty slot, its folders named as the checkout's own are (``vllm``, ``.venv`` ...)."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root = Path(state_dir).resolve() / FOLDER / f"{device}-{stamp}"
+    n = 1
+    while root.exists():
+        n += 1
+        root = root.with_name(f"{device}-{stamp}-{n}")
+    root.mkdir(parents=True)
+    return Slot(root.name, root / tree_name, root / venv_name, root / artifacts_name, root)
+
+
+def remove(slot: Slot) -> None:
+    """Remove a slot's folder (never the checkout's own paths)."""
+    for d in slot.folders():
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def prune(state_dir: Path, device: str, keep: list[Slot]) -> list[str]:
+    """Remove every slot of ``device`` but those in ``keep``; the names removed."""
+    names = {k.name for k in keep}
+    gone = []
+    for d in sorted((Path(state_dir) / FOLDER).glob(f"{device}-*")):
+        if d.is_dir() and d.name not in names:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
+    return gone
+
+
+def disk(slot: Slot) -> tuple[int, int]:
+    """Bytes on disk of one build, and how many of them are files linked from elsewhere too (uv links the wheels'
+    files from its cache: those cost nothing more while the cache keeps them). A file linked twice counts once."""
+    seen: set[tuple[int, int]] = set()
+    total = shared = 0
+    for top in (slot.vllm_dir, slot.venv_dir, slot.artifacts_dir):
+        for folder, _, files in os.walk(top):
+            for f in files:
+                try:
+                    st = os.lstat(os.path.join(folder, f))
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+                    shared += st.st_blocks * 512 if st.st_nlink > 1 else 0
+    return total, shared
