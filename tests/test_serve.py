@@ -514,6 +514,8 @@ def test_each_start_has_its_own_runtime_folder_and_ends_what_a_gone_engine_left_
         own = Path(record(rig_env)["env"]["TMPDIR"])
         assert own.parent == base and own.name != "gone" and [p.name for p in base.iterdir()] == [own.name]
         assert enginerec.load(config.settings(rig_env)).runtime == str(own)
+        (base / "vllm_dist_of_a_bare_start").write_text("")  # what a bare vllm serve of the plan leaves there
+        (base / "torchinductor_root").mkdir()
         assert run_rig(rig_env, "stop").code == 0
         assert not base.exists()
     finally:

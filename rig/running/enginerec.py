@@ -11,6 +11,7 @@ gone engine left there (or its late cleanup) reaches the next one.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -29,8 +30,12 @@ from rig.base.console import say
 from rig.base.errors import BadInput, WorkFailed, problem
 from rig.base.proc import alive
 from rig.facts.config import Serve, Settings
-from rig.plan.engine import runtime_dir
+from rig.plan.engine import OWN_FOLDER, runtime_dir
 from rig.running.health import ENGINE_RECORD
+
+#: An engine's own runtime folder is named by random bytes in hex, as many as rig/plan/engine.py leaves room for.
+OWN_BYTES = (OWN_FOLDER - 1) // 2
+OWN_NAME = re.compile(rf"[0-9a-f]{{{2 * OWN_BYTES}}}")
 
 
 @dataclass
@@ -125,9 +130,20 @@ def clear_runtime(s: Settings, folder: str | Path = "") -> int:
         return 0  # never a folder outside the rig's runtime folder, whatever a record says
     n = sum(1 for _ in d.rglob("*"))
     shutil.rmtree(d, ignore_errors=True)
-    if d != base:
+    if d != base and not _runs_from(base):
+        # Nothing runs from the runtime folder any more: what a bare start left in it goes too (its TMPDIR's files
+        # and folders), and the folder with it once empty. An engine's own folder may be a start's that is about to
+        # spawn: it stays.
+        for loose in base.iterdir():
+            if loose.is_dir() and not loose.is_symlink():
+                if not OWN_NAME.fullmatch(loose.name):
+                    n += sum(1 for _ in loose.rglob("*")) + 1
+                    shutil.rmtree(loose, ignore_errors=True)
+            else:
+                n += 1
+                loose.unlink(missing_ok=True)
         try:
-            base.rmdir()  # the last engine's gone: nothing is left behind
+            base.rmdir()
         except OSError:
             pass
     return n
@@ -155,7 +171,7 @@ def own_runtime(s: Settings, timeout: float) -> tuple[Path, int, int]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
-    own = base / secrets.token_hex(4)
+    own = base / secrets.token_hex(OWN_BYTES)
     own.mkdir(mode=0o700)
     return own, ended, files
 
