@@ -39,6 +39,9 @@ def test_defaults_are_what_the_table_says():
 @pytest.mark.parametrize("name,value,want", [
     ("MAX_JOBS", "lots", "a whole number"), ("MAX_JOBS", "0", "a whole number"),
     ("FETCH", "yes", "0 or 1"), ("PACK", "true", "0 or 1"), ("VLLM_SOURCE", "svn", "auto or git or sdist"),
+    # other scripts' digits: int() takes some ("\u0663", Arabic-Indic 3) and refuses others ("\u00b2", superscript)
+    ("MAX_JOBS", "\u0663", "a whole number"), ("MAX_JOBS", "\u00b2", "a whole number"),
+    ("NVCC_THREADS", "\uff12", "a whole number"),
 ])
 def test_bad_values_name_the_variable(name, value, want):
     with pytest.raises(BadInput) as e:
@@ -101,3 +104,21 @@ def test_a_default_is_written_once_and_the_parser_reads_it():
         assert config.settings({}).max_jobs == 7
     finally:
         config.VARS = old
+
+
+@pytest.mark.parametrize("name,value,want", [
+    ("PORT", "\u0668\u0660\u0668\u0660", "a port number"), ("START_TIMEOUT", "inf", "a whole number"),
+    ("START_TIMEOUT", "\u0663\u0660", "a whole number"), ("CUDA_VISIBLE_DEVICES", "0,\u0661", "card indices"),
+    ("GPU_WAIT", "\u00b2", "a whole number"), ("VLLM_LOG_STATS_INTERVAL", "inf", "seconds > 0"),
+    ("VLLM_LOG_STATS_INTERVAL", "nan", "seconds > 0"), ("VLLM_LOG_STATS_INTERVAL", "\u0661", "seconds > 0"),
+])
+def test_serve_numbers_take_ascii_digits_only(name, value, want):
+    with pytest.raises(BadInput) as e:
+        config.serve_settings({name: value}) if name not in ("CUDA_VISIBLE_DEVICES", "PORT") else \
+            config.settings({name: value})
+    assert e.value.code == 2 and name in e.value.message and want in e.value.message, e.value.message
+    # the fix: the same number in ASCII digits is taken
+    fixed = {"PORT": "8080", "START_TIMEOUT": "30", "CUDA_VISIBLE_DEVICES": "0,1", "GPU_WAIT": "2",
+             "VLLM_LOG_STATS_INTERVAL": "1.5"}[name]
+    config.serve_settings({name: fixed}) if name not in ("CUDA_VISIBLE_DEVICES", "PORT") else \
+        config.settings({name: fixed})

@@ -5,6 +5,7 @@ holds the table of rows."""
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -64,9 +65,14 @@ def keep_empty(v: Var, env: Mapping[str, str], root: Path) -> str:
     return env.get(v.name, v.literal or "").strip()
 
 
+def digits(raw: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` takes other scripts' digits too, some of which ``int`` refuses."""
+    return raw.isascii() and raw.isdigit()
+
+
 def whole(v: Var, env: Mapping[str, str], root: Path) -> int:
     raw = _raw(v, env) or ""
-    if not raw.isdigit() or int(raw) < 1:
+    if not digits(raw) or int(raw) < 1:
         raise BadInput(problem(v.name, "a whole number >= 1", repr(raw), _fix(v)))
     return int(raw)
 
@@ -74,14 +80,14 @@ def whole(v: Var, env: Mapping[str, str], root: Path) -> int:
 def whole_or_off(v: Var, env: Mapping[str, str], root: Path) -> int:
     """A whole number >= 0, where 0 turns the thing off."""
     raw = _raw(v, env) or ""
-    if not raw.isdigit():
+    if not digits(raw):
         raise BadInput(problem(v.name, "a whole number >= 0 (0 turns it off)", repr(raw), _fix(v)))
     return int(raw)
 
 
 def index(v: Var, env: Mapping[str, str], root: Path) -> int:
     raw = _raw(v, env) or ""
-    if not raw.isdigit():
+    if not digits(raw):
         raise BadInput(problem(v.name, "a card index (0, 1, ...)", repr(raw), _fix(v)))
     return int(raw)
 
@@ -96,7 +102,7 @@ def flag(v: Var, env: Mapping[str, str], root: Path) -> bool:
 def seconds(v: Var, env: Mapping[str, str], root: Path) -> str:
     raw = _raw(v, env) or ""
     try:
-        ok = float(raw) > 0
+        ok = raw.isascii() and math.isfinite(float(raw)) and float(raw) > 0
     except ValueError:
         ok = False
     if not ok:
@@ -106,7 +112,7 @@ def seconds(v: Var, env: Mapping[str, str], root: Path) -> str:
 
 def port(v: Var, env: Mapping[str, str], root: Path) -> int:
     raw = _raw(v, env) or ""
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
+    if not digits(raw) or not 0 < int(raw) < 65536:
         raise BadInput(problem(v.name, "a port number from 1 to 65535", repr(raw), _fix(v)))
     return int(raw)
 
@@ -190,7 +196,7 @@ def cards(v: Var, env: Mapping[str, str], root: Path) -> str:
     if not raw:
         return raw
     items = [x.strip() for x in raw.split(",")]
-    bad = [x for x in items if not x.isdigit()]
+    bad = [x for x in items if not digits(x)]
     if bad:
         uuid = any(x.startswith(("GPU-", "MIG-")) for x in bad)
         raise BadInput(problem(v.name, "card indices in PCI bus order, comma-separated (0,1,2,3)", repr(raw),
