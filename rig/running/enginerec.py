@@ -134,14 +134,17 @@ def clear_runtime(s: Settings, folder: str | Path = "") -> int:
         # Nothing runs from the runtime folder any more: what a bare start left in it goes too (its TMPDIR's files
         # and folders), and the folder with it once empty. An engine's own folder may be a start's that is about to
         # spawn: it stays.
-        for loose in base.iterdir():
-            if loose.is_dir() and not loose.is_symlink():
-                if not OWN_NAME.fullmatch(loose.name):
-                    n += sum(1 for _ in loose.rglob("*")) + 1
-                    shutil.rmtree(loose, ignore_errors=True)
-            else:
-                n += 1
-                loose.unlink(missing_ok=True)
+        try:  # the supervisor and a stop may both clear it: what the other removed first is gone already
+            for loose in list(base.iterdir()):
+                if loose.is_dir() and not loose.is_symlink():
+                    if not OWN_NAME.fullmatch(loose.name):
+                        n += sum(1 for _ in loose.rglob("*")) + 1
+                        shutil.rmtree(loose, ignore_errors=True)
+                else:
+                    n += 1
+                    loose.unlink(missing_ok=True)
+        except FileNotFoundError:
+            return n
         try:
             base.rmdir()
         except OSError:
