@@ -136,13 +136,8 @@ def clear_runtime(s: Settings, folder: str | Path = "") -> int:
         # spawn: it stays.
         try:  # the supervisor and a stop may both clear it: what the other removed first is gone already
             for loose in list(base.iterdir()):
-                if loose.is_dir() and not loose.is_symlink():
-                    if not OWN_NAME.fullmatch(loose.name):
-                        n += sum(1 for _ in loose.rglob("*")) + 1
-                        shutil.rmtree(loose, ignore_errors=True)
-                else:
-                    n += 1
-                    loose.unlink(missing_ok=True)
+                if not (loose.is_dir() and not loose.is_symlink() and OWN_NAME.fullmatch(loose.name)):
+                    n += _remove(loose)
         except FileNotFoundError:
             return n
         try:
@@ -169,14 +164,21 @@ def own_runtime(s: Settings, timeout: float) -> tuple[Path, int, int]:
     ended = _end(_runs_from(base), timeout)
     files = 0
     for old in base.iterdir():
-        files += 1 + (sum(1 for _ in old.rglob("*")) if old.is_dir() and not old.is_symlink() else 0)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
+        files += _remove(old)
     own = base / secrets.token_hex(OWN_BYTES)
     own.mkdir(mode=0o700)
     return own, ended, files
+
+
+def _remove(entry: Path) -> int:
+    """Remove one entry of the runtime folder (a folder with what it holds, never through a link); how many
+    entries went."""
+    if entry.is_dir() and not entry.is_symlink():
+        n = 1 + sum(1 for _ in entry.rglob("*"))
+        shutil.rmtree(entry, ignore_errors=True)
+        return n
+    entry.unlink(missing_ok=True)
+    return 1
 
 
 def _end(pids: list[int], timeout: float) -> int:
