@@ -359,6 +359,64 @@ def test_abliteration_removes_the_direction_from_the_residual_stream_and_changes
     assert "QWEN38_ABLITERATION" not in off["log"]
 
 
+RUN_TIME_PROJECTION = """
+import os, sys, torch
+from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from vllm import abliteration
+
+class WNA16:  # a quant method by name only: abliteration asks whether the weights are plain
+    pass
+
+class Packed(torch.nn.Module):  # a writer into the stream whose weights are stored as int4
+    def __init__(self, hidden):
+        super().__init__()
+        self.output_size, self.quant_method = hidden, WNA16()
+        self.weight_packed = torch.nn.Parameter(torch.zeros(hidden, hidden // 8, dtype=torch.int32),
+                                                requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16), requires_grad=False)
+    def forward(self, x):
+        return x * self.scale
+
+hidden = 64
+model = torch.nn.Module()
+model.layers = torch.nn.ModuleList([torch.nn.Module()])
+model.layers[0].o_proj = Packed(hidden)
+r = torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+save_file({"direction": r}, sys.argv[1] + "/packed.safetensors")
+os.environ.update(QWEN38_ABLITERATION="packed", ABLITERATION_DIR=sys.argv[1])
+abliteration.apply(model, 1, hidden, torch.bfloat16)
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+with Ops() as ops:
+    y = model.layers[0].o_proj(x)
+unit = (r / r.norm()).to(torch.bfloat16)
+print(sorted(set(ops.seen)))
+print(y.dtype, float(((y.float() @ unit.float()).abs() / y.float().norm(dim=-1)).max()))
+"""
+
+
+def test_a_run_time_projection_computes_only_on_the_weights_device(served, tmp_path):
+    """Patch 0005 projects a quantized writer's output at run time. Its direction is put on the module's device in
+    the model's dtype at load: a copy in the forward would be a transfer from the host, which CUDA graph capture
+    refuses (the reference's shape stopped at the capture so). The forward of a module standing in for an int4
+    writer runs no copy, keeps bfloat16, and leaves the output without the direction."""
+    dest, _, r, _, _ = served
+    assert r.returncode == 0
+    ops, result = venv_python(dest, RUN_TIME_PROJECTION, str(tmp_path)).strip().splitlines()[-2:]
+    assert "copy" not in ops and "aten.sub" in ops, ops  # the projection ran, and nothing was copied
+    dtype, component = result.split()
+    assert dtype == "torch.bfloat16" and float(component) < 0.02, result
+
+
 def bench_rows(md: str) -> dict[tuple[int, str], float]:
     """(concurrency, 'prefill' | 'generation') -> t/s from the results table bench.sh prints."""
     rows = {}
