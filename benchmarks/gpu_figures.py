@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rig.facts import profiles  # noqa: E402
+from rig.facts import profiles, slots  # noqa: E402
 from rig.plan import box, serve  # noqa: E402
 from rig.running import enginerec  # noqa: E402
 from rig.running.health import health  # noqa: E402
@@ -91,7 +91,8 @@ class Bare:
 
     def __init__(self, env: dict, log: Path, state: Path) -> None:
         self.env = {**env, "RIG_STATE": str(state), "PORT": str(free_port())}
-        s, v, p = serve.inputs(self.env)
+        s = slots.settings(self.env)
+        v, p = serve.inputs(s, self.env)
         plan = serve.plan(s, v, p, serve.check_box(s, v, p, check=False))
         enginerec.fresh_runtime(s)
         self.s, fh = s, open(log, "a")  # noqa: SIM115 - the engine writes it until it is killed
@@ -168,7 +169,7 @@ def acceptance(log: Path) -> str:
 
 def memory(env: dict, log: Path) -> tuple[float, float, int]:
     """(MiB of the card the rig's engine holds (NVML), GiB of KV cache it reports, its KV cache tokens)."""
-    rec = enginerec.load(serve.inputs(env)[0])
+    rec = enginerec.load(slots.settings(env))
     held = box.read_nvml().gpus[0].mib_by_process()
     mine = sum(mib for pid, mib in held.items() if rec and pid in enginerec.group_members(rec.pgid))
     text = log.read_text(errors="replace")

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_figures import card_free, decode, free_port, timed_run  # noqa: E402
 
-from rig.facts.config import settings  # noqa: E402
+from rig.facts.slots import settings  # noqa: E402
 from rig.plan import box, ple  # noqa: E402
 from rig.running import enginerec  # noqa: E402
 

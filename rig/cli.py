@@ -19,7 +19,7 @@ from types import ModuleType
 
 from rig.base.console import guard, plain, say
 from rig.base.errors import BadInput, problem
-from rig.facts import config
+from rig.facts import config, slots
 
 Args = argparse.Namespace
 
@@ -121,7 +121,7 @@ def _pack(a: Args) -> int:
     size = _use("bundle").parse_size(a.part_size) if a.part_size else None
     _steps("pack", ["pack"])(a)
     if a.offline:
-        ctx = _use("steps.pipeline").context(config.settings())
+        ctx = _use("steps.pipeline").context(slots.settings())
         _use("bundlewrite").write(ctx.settings, a.offline, size, a.python, ctx.uv)
     return 0
 
@@ -130,7 +130,7 @@ def _steps(what: str, only: list[str] | None = None) -> Callable[[Args], int]:
     """Run the build's steps (``only``: these, else the command's ``--only`` or all) under the build lock."""
     def does(a: Args) -> int:
         pipeline = _use("steps.pipeline")
-        s = config.settings()
+        s = slots.settings()
         if getattr(a, "pre_start", False) and _use("update").switched_build(s, os.environ):
             return 0
         opts = pipeline.Options(force=a.force, accept=getattr(a, "accept", False), verify=getattr(a, "verify", False),
@@ -148,7 +148,7 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _verify(a: Args) -> int:
-    return _use("steps.pack").check_artifacts(config.settings(), a.artifacts, a.dest)
+    return _use("steps.pack").check_artifacts(slots.settings(), a.artifacts, a.dest)
 
 
 def _image_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,7 +157,7 @@ def _image_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _image(a: Args) -> int:
-    return _use("image").run(config.settings(), config.image_settings(), a.dry_run)
+    return _use("image").run(slots.settings(), config.image_settings(), a.dry_run)
 
 
 def _lock_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,7 +165,7 @@ def _lock_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _lock(a: Args) -> int:
-    ctx = _use("steps.pipeline").context(config.settings())
+    ctx = _use("steps.pipeline").context(slots.settings())
     runtime = _use("steps.runtime")
     if a.ray:
         runtime.lock_ray(ctx.settings, ctx.uv)
@@ -186,7 +186,7 @@ def _patches_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _patches(a: Args) -> int:
-    ctx, tool = _use("steps.pipeline").context(config.settings()), _use("patches")
+    ctx, tool = _use("steps.pipeline").context(slots.settings()), _use("patches")
     if a.verb == "check":
         return tool.check(ctx)
     if a.verb == "rebase":
@@ -214,9 +214,12 @@ def _start_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _start(a: Args) -> int:
+    start = _use("start")
     env = {**os.environ, **({"CKPT": a.ckpt} if a.ckpt else {})}
-    return _use("start").run(env, foreground=a.foreground, dry_run=a.dry_run, build=not a.no_build,
-                             box_check=not a.skip_box_check, clear_cache=a.clear_cache, demo_model=a.demo)
+    if a.demo:
+        env = start.demo_env(env)
+    return start.run(slots.settings(env), env, foreground=a.foreground, dry_run=a.dry_run, build=not a.no_build,
+                     box_check=not a.skip_box_check, clear_cache=a.clear_cache)
 
 
 def _update_arguments(p: argparse.ArgumentParser) -> None:
@@ -242,7 +245,7 @@ def _rollback(a: Args) -> int:
 
 
 def _doctor(a: Args) -> int:
-    s = config.settings()
+    s = slots.settings()
     for line in _use("control").doctor(s, _use("profiles").load(s.profile), config.serve_settings()):
         plain(line)
     return 0
@@ -256,7 +259,7 @@ def _logs_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _logs(a: Args) -> int:
-    return _use("logview").show(config.settings(), a.follow, a.lines, a.since, a.file)
+    return _use("logview").show(slots.settings(), a.follow, a.lines, a.since, a.file)
 
 
 def _service_arguments(p: argparse.ArgumentParser) -> None:
@@ -268,7 +271,7 @@ def _service_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _service(a: Args) -> int:
-    return _use("service").run(config.settings(), a.verb, a.root, a.lines, a.node_rank)
+    return _use("service").run(slots.settings(), a.verb, a.root, a.lines, a.node_rank)
 
 
 def _ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -276,7 +279,7 @@ def _ray_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ray(a: Args) -> int:
-    s, v = config.settings(), config.serve_settings()
+    s, v = slots.settings(), config.serve_settings()
     ray = _use("raycluster")
     if a.action == "down":
         say(f"ray: {ray.stop(s)}")
@@ -321,11 +324,11 @@ COMMANDS: dict[str, Command] = {
                      _start_arguments),
     "stop": Command("nox -s stop --", "Stop the engine: SIGTERM to its whole process group, SIGKILL after "
                     "STOP_TIMEOUT seconds, then check that no process of it is left.",
-                    lambda a: _use("control").stop(config.settings(), config.serve_settings())),
+                    lambda a: _use("control").stop(slots.settings(), config.serve_settings())),
     "status": Command("nox -s status --", "Report the engine: pid, uptime, port, health (a one-token generation), "
                       "the hang watchdog (HANG_WINDOW) and the KV cache line. Exit 0 healthy, 1 running but not "
                       "healthy or hung, 3 not running.",
-                      lambda a: _use("control").status(config.settings(), config.serve_settings())),
+                      lambda a: _use("control").status(slots.settings(), config.serve_settings())),
     "update": Command("nox -s update --", "Build this checkout's series beside the current build, switch to it "
                       "and restart a running engine on it; when that engine is not healthy, switch back and start "
                       "the old one (exit 1). The current and the previous build are kept.", _update,

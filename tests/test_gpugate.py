@@ -14,7 +14,7 @@ from conftest import ROOT, run_rig
 
 from rig.base.errors import BadInput, WorkFailed
 from rig.control import start as starting
-from rig.facts import config
+from rig.facts import config, slots
 from rig.plan import box
 from rig.running import gpugate, supervise
 
@@ -210,7 +210,8 @@ def fake_gate(monkeypatch):
 
 def serve_start(env, monkeypatch, reading, *, box_check=False, dry_run=False) -> int:
     monkeypatch.setattr(box, "read_nvml", reading if callable(reading) else lambda: reading)
-    return starting.run(env, foreground=True, dry_run=dry_run, build=False, box_check=box_check, clear_cache=False)
+    return starting.run(slots.settings(env), env, foreground=True, dry_run=dry_run, build=False, box_check=box_check,
+                        clear_cache=False)
 
 
 def test_start_waits_before_the_engine_and_fails_naming_the_process(rig_env, monkeypatch, capsys, fake_gate):

@@ -20,6 +20,7 @@ import pytest
 from test_gpu_serve import KEY, engine_state, free_port, log_of, nox, request, server_argv, wait_card_free
 
 from rig.build.cudastub import driver_loadable
+from rig.facts import slots
 from rig.plan import serve
 from rig.running import enginerec
 from rig.running.health import health
@@ -143,7 +144,8 @@ def test_the_greedy_answer_through_the_rig(served):
 def test_a_bare_vllm_serve_of_the_same_plan_gives_the_same_tokens_and_logprobs(base, tmp_path):
     rig = [tuple(x) for x in json.loads(SEEN.read_text())]  # the test above's
     env = {**base, "RIG_STATE": str(tmp_path / "state"), "PORT": str(free_port()), "GUARD": "raise", "COUNTERS": "1"}
-    s, v, p = serve.inputs(env)
+    s = slots.settings(env)
+    v, p = serve.inputs(s, env)
     plan = serve.plan(s, v, p, serve.check_box(s, v, p, check=False))
     enginerec.fresh_runtime(s)
     with open(tmp_path / "bare.log", "w") as fh:

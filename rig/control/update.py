@@ -38,16 +38,18 @@ class Engine:
 
 
 def direct(env: Mapping[str, str]) -> Engine:
-    """The engine as ``./start.sh`` (detached) and ``nox -s stop`` run it, with ``env``'s settings."""
+    """The engine as ``./start.sh`` (detached) and ``nox -s stop`` run it, with ``env``'s settings. Each call reads
+    which build is current: a switch between two calls moves the engine to the other build."""
     def running() -> bool:
-        rec = enginerec.load(config.settings(env))
+        rec = enginerec.load(slots.settings(env))
         return rec is not None and enginerec.server_alive(rec)
 
     def stop() -> None:
-        control.stop(config.settings(env), config.serve_settings(env))
+        control.stop(slots.settings(env), config.serve_settings(env))
 
     def begin() -> None:
-        code = start.run(env, foreground=False, dry_run=False, build=False, box_check=True, clear_cache=False)
+        code = start.run(slots.settings(env), env, foreground=False, dry_run=False, build=False, box_check=True,
+                         clear_cache=False)
         if code != 0:
             raise WorkFailed(problem("./start.sh", "exit 0", f"exit {code}", "its output is above"))
 
@@ -119,7 +121,7 @@ def _settings(env: Mapping[str, str]) -> tuple[Settings, slots.Slot, slots.Slot 
     if (nodes := config.serve_settings(env).nodes) > 1:
         raise BadInput(problem("NODES", "1 (an update restarts this box's engine on its own)", str(nodes),
                                "across nodes: nox -s stop on the head, ./build.sh on every node, then ./start.sh"))
-    s = config.settings(env)
+    s = slots.settings(env)
     current, previous = slots.read(s.state_dir, s.device)
     if current is None or not current.name:
         current = slots.own(s.vllm_dir, s.venv_dir, s.artifacts_dir, s.state_dir)

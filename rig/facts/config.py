@@ -19,7 +19,6 @@ from typing import Any
 
 from rig import REPO_ROOT
 from rig.base.errors import BadInput, problem
-from rig.facts import slots
 from rig.facts.varparse import (
     Var,
     abliteration,
@@ -323,9 +322,9 @@ def image_settings(env: Mapping[str, str] | None = None) -> Image:
 
 
 def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Settings:
-    """Read and check the build variables from ``env`` (default: the process environment), with the current
-    build's paths where an update switched to another (rig/facts/slots.py)."""
-    return slots.applied(_read(Settings, "build", env, root), os.environ if env is None else env)
+    """Read and check the build variables from ``env`` (default: the process environment): a pure function of
+    it. Which build an update made current is read once, by the front doors (rig/facts/slots.py: ``current``)."""
+    return _read(Settings, "build", env, root)
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ A build lives in four places: its tree (``VLLM_DIR``), its venv (``VENV_DIR``), 
 (``ARTIFACTS_DIR``) and its record. The checkout's own paths are the first build; an update makes the next one in
 a slot, ``RIG_STATE/slots/<device>-<time>/``, and ``RIG_STATE/slots-<device>.json`` names the current build and
 the previous one. Switching is one rename of that file, so a start, a build or a rollback reads either the old
-pair or the new one, never half of each. Every command reads its paths through :func:`applied`: with no pointer
-file, or with any of the three variables set by the user, the paths are the variables' own, as before.
-
-Standard library only: rig/facts/config.py reads the pointer for every command.
+pair or the new one, never half of each. The settings (rig/facts/config.py) are a pure function of the
+environment; which build is current is read here, once per command at the front door (:func:`settings`) and
+again by an update right after its switch: with no pointer file, or with any of the three variables set by the
+user, the paths are the variables' own.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any
 
 from rig.base import atomic
 from rig.base.errors import BadInput, problem
+from rig.facts import config
+from rig.facts.config import Settings
 
 FOLDER = "slots"
 VARIABLES = ("VLLM_DIR", "VENV_DIR", "ARTIFACTS_DIR")
@@ -91,17 +93,23 @@ def own(vllm_dir: Path, venv_dir: Path, artifacts_dir: Path, state_dir: Path) ->
     return Slot("", Path(vllm_dir), Path(venv_dir), Path(artifacts_dir), Path(state_dir))
 
 
-def applied(s: Any, env: Mapping[str, str]) -> Any:
-    """``s`` (rig.facts.config.Settings) with the current build's paths, where an update switched to a slot and the
-    user did not name the paths."""
+def current(s: Settings, env: Mapping[str, str]) -> Settings:
+    """``s`` with the current build's paths, where an update switched to a slot and the user did not name the
+    paths (one read of the pointer file)."""
     if any(env.get(n) for n in VARIABLES):
         return s
-    current, _ = read(s.state_dir, s.device)
-    return s if current is None or not current.name else place(s, current)
+    now, _ = read(s.state_dir, s.device)
+    return s if now is None or not now.name else place(s, now)
 
 
-def place(s: Any, slot: Slot) -> Any:
-    """``s`` (rig.facts.config.Settings) with ``slot``'s paths: its tree, venv, kernels folder and record."""
+def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Settings:
+    """The settings of the build serving now: the environment's, with the current build's paths. What a front
+    door (a command, a benchmark) calls once and hands down."""
+    return current(config.settings(env, root), os.environ if env is None else env)
+
+
+def place(s: Settings, slot: Slot) -> Settings:
+    """``s`` with ``slot``'s paths: its tree, venv, kernels folder and record."""
     return dataclasses.replace(s, vllm_dir=slot.vllm_dir, venv_dir=slot.venv_dir, artifacts_dir=slot.artifacts_dir,
                                slot_dir=slot.record_dir if slot.name else None)
 

@@ -27,16 +27,16 @@ from rig.plan.engine import Engine
 from rig.plan.topology import Topology
 
 
-def inputs(env: Mapping[str, str]) -> tuple[Settings, Serve, Profile]:
-    """The settings and the profile a plan is made from; a combination that cannot serve is refused (exit 2)."""
-    s = config.settings(env)
+def inputs(s: Settings, env: Mapping[str, str]) -> tuple[Serve, Profile]:
+    """The serve settings and the profile a plan of the build ``s`` is made from; a combination that cannot serve
+    is refused (exit 2)."""
     v = config.serve_settings(env)
     p = profiles.load(s.profile)
     if v.nodes > 1 and v.dist_backend == "ray" and s.device == "cpu":
         raise BadInput(problem("DIST_BACKEND=ray", "mp with the CPU build: vLLM's CPU platform has no Ray executor "
                                "(its own check: 'current platform cpu does not support ray')", "ray",
                                "set DIST_BACKEND=mp; nox -s ray -- up brings a Ray cluster up on its own"))
-    return s, v, p
+    return v, p
 
 
 # -- the box report -----------------------------------------------------------------------------------------------
