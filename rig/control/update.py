@@ -40,12 +40,12 @@ class Engine:
 def direct(env: Mapping[str, str]) -> Engine:
     """The engine as ``./start.sh`` (detached) and ``nox -s stop`` run it, with ``env``'s settings. Each call reads
     which build is current: a switch between two calls moves the engine to the other build."""
-    def running() -> bool:
-        rec = enginerec.load(slots.settings(env))
+    def running() -> bool:  # the engine's record alone, as stop: a damaged pointer must not block either
+        rec = enginerec.load(config.settings(env))
         return rec is not None and enginerec.server_alive(rec)
 
     def stop() -> None:
-        control.stop(slots.settings(env), config.serve_settings(env))
+        control.stop(config.settings(env), config.serve_settings(env))
 
     def begin() -> None:
         code = start.run(slots.settings(env), env, foreground=False, dry_run=False, build=False, box_check=True,
@@ -121,7 +121,7 @@ def _settings(env: Mapping[str, str]) -> tuple[Settings, slots.Slot, slots.Slot 
     if (nodes := config.serve_settings(env).nodes) > 1:
         raise BadInput(problem("NODES", "1 (an update restarts this box's engine on its own)", str(nodes),
                                "across nodes: nox -s stop on the head, ./build.sh on every node, then ./start.sh"))
-    s = slots.settings(env)
+    s = config.settings(env)  # the pointer is read here, explicitly: a current slot gone is for update to rebuild
     current, previous = slots.read(s.state_dir, s.device)
     if current is None or not current.name:
         current = slots.own(s.vllm_dir, s.venv_dir, s.artifacts_dir, s.state_dir)
@@ -131,12 +131,8 @@ def _settings(env: Mapping[str, str]) -> tuple[Settings, slots.Slot, slots.Slot 
 def update(env: Mapping[str, str], engine: Engine, *, force: bool = False) -> int:
     """Build the checkout's series beside the current build, switch to it, and roll back when its engine fails."""
     s, current, previous = _settings(env)
-    with _lock(s):
-        keep = [current] + ([previous] if previous else [])
-        for name in slots.prune(s.state_dir, s.device, keep):
-            say(f"removed slot {name}: neither the current build nor the previous one (an update that failed or "
-                "was cut short)")
-        stale = pipeline.first_stale(steps(), s, upto="pack")
+    with _lock(s):  # nothing is pruned before the switch succeeds: a slot may serve though no pointer names it
+        stale = pipeline.first_stale(steps(), slots.place(s, current), upto="pack")
         if stale is None and not force:
             say(f"update: {current.describe()} is this checkout's series and lock already; nothing to do "
                 "(--force builds it again beside it)")
@@ -159,7 +155,7 @@ def update(env: Mapping[str, str], engine: Engine, *, force: bool = False) -> in
             raise
         say(f"update: the new build is complete in {time.monotonic() - t0:.0f} s")
         _switch(s, engine, new, (current, previous), "update")
-        for name in slots.prune(s.state_dir, s.device, [new, current]):
+        for name in slots.prune(s.state_dir, s.device, [new, current]):  # the engine runs from new now
             say(f"removed slot {name} (two builds are kept: the current one and the previous one)")
         _disk(new, current)
     return 0
@@ -210,7 +206,7 @@ def _switch(s: Settings, engine: Engine, to: slots.Slot, was: tuple[slots.Slot, 
                                      f"{back.describe()} the old one failed too ({again.message})",
                                      "read the engine log; ./start.sh once the cause is fixed")) from None
         down = time.monotonic() - t0
-        kept = f"the failed build is kept in {to.record_dir} until the next update" if what == "update" else \
+        kept = f"the failed build is kept in {to.record_dir} until an update succeeds" if what == "update" else \
             f"{to.describe()} stays the previous build"
         raise WorkFailed(problem(f"the {what}'s engine", "healthy within START_TIMEOUT", failed,
                                  f"rolled back: {back.describe()} serves again (down {down:.0f} s); {kept}")

@@ -54,14 +54,26 @@ def pointer(state_dir: Path, device: str) -> Path:
     return Path(state_dir) / f"{FOLDER}-{device}.json"
 
 
-def _slot(entry: Any, where: Path) -> Slot:
-    try:
-        return Slot(str(entry["name"]), *(Path(entry[k]) for k in ("vllm_dir", "venv_dir", "artifacts_dir",
-                                                                    "record_dir")))
-    except (KeyError, TypeError) as exc:
-        raise BadInput(problem(str(where), "the rig's record of the current and the previous build",
-                               f"an entry without {exc}", "remove the file: the checkout's own build is used "
-                               "again (nox -s rollback needs it)")) from None
+FIELDS = ("name", "vllm_dir", "venv_dir", "artifacts_dir", "record_dir")
+REMOVE = "remove the file: the checkout's own build is used again (./build.sh builds it)"
+
+
+def _slot(entry: Any, which: str, where: Path, state_dir: Path) -> Slot:
+    """One entry of the pointer, checked against this tree: a slot's folders are under RIG_STATE/slots/<name>."""
+    if not isinstance(entry, dict) or any(not isinstance(entry.get(k), str) for k in FIELDS):
+        found = type(entry).__name__ if not isinstance(entry, dict) else "fields " + ", ".join(
+            f"{k}={entry.get(k)!r}" for k in FIELDS if not isinstance(entry.get(k), str))
+        raise BadInput(problem(f"{where} ({which})", f"an object with the strings {', '.join(FIELDS)}", found,
+                               REMOVE)) from None
+    slot = Slot(entry["name"], *(Path(entry[k]) for k in FIELDS[1:]))
+    if slot.name:
+        home = (Path(state_dir).resolve() / FOLDER / slot.name)
+        outside = [str(p) for p in (slot.record_dir, slot.vllm_dir, slot.venv_dir, slot.artifacts_dir)
+                   if p != home and home not in p.parents]
+        if "/" in slot.name or slot.name in (".", "..") or outside:
+            raise BadInput(problem(f"{where} ({which})", f"the folders of slot {slot.name!r} under {home}",
+                                   ", ".join(outside) or slot.name, REMOVE)) from None
+    return slot
 
 
 def read(state_dir: Path, device: str) -> tuple[Slot | None, Slot | None]:
@@ -72,10 +84,12 @@ def read(state_dir: Path, device: str) -> tuple[Slot | None, Slot | None]:
     except FileNotFoundError:
         return None, None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadInput(problem(str(path), "JSON written by nox -s update", f"unreadable ({exc})",
-                               "remove the file: the checkout's own build is used again")) from None
+        raise BadInput(problem(str(path), "JSON written by nox -s update", f"unreadable ({exc})", REMOVE)) from None
+    if not isinstance(data, dict):
+        raise BadInput(problem(str(path), "a JSON object written by nox -s update", type(data).__name__, REMOVE))
     prev = data.get("previous")
-    return _slot(data.get("current"), path), (_slot(prev, path) if prev else None)
+    return (_slot(data.get("current"), "current", path, state_dir),
+            _slot(prev, "previous", path, state_dir) if prev is not None else None)
 
 
 def write(state_dir: Path, device: str, current: Slot, previous: Slot | None) -> None:
@@ -98,8 +112,15 @@ def current(s: Settings, env: Mapping[str, str]) -> Settings:
     paths (one read of the pointer file)."""
     if any(env.get(n) for n in VARIABLES):
         return s
-    now, _ = read(s.state_dir, s.device)
-    return s if now is None or not now.name else place(s, now)
+    now, previous = read(s.state_dir, s.device)
+    if now is None or not now.name:
+        return s
+    if not now.venv_dir.is_dir():
+        back = "nox -s rollback switches to the previous build; " if previous else ""
+        raise BadInput(problem(f"{pointer(s.state_dir, s.device)} (current)", f"slot {now.name}'s venv at "
+                               f"{now.venv_dir}", "no such folder (removed by hand?)",
+                               f"{back}nox -s update builds this checkout's series again beside it"))
+    return place(s, now)
 
 
 def settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Settings:
