@@ -47,6 +47,38 @@ def test_a_bad_profile_names_the_file_the_key_and_what_is_wrong(tmp_path, edit, 
     assert "Fix:" in e.value.message
 
 
+@pytest.mark.parametrize("key,bad,good", [
+    ("memory_utilization", "1.5", "0.9"), ("memory_utilization", "-0.1", "0"), ("memory_utilization", "nan", "0.5"),
+    ("max_model_len", "-5", "4096"), ("max_model_len", "0", "1"), ("cudagraph_tokens_per_seq", "-1", "4"),
+    ("box.gpus", "-1", "1"), ("box.gpu_memory_gb", "inf", "24"), ("box.ram_gib", "-4", "4"),
+    ("box.cores", "-2", "2"),
+])
+def test_a_number_outside_its_range_is_refused_and_one_inside_passes(tmp_path, key, bad, good):
+    """Profile values reached the engine's command unchecked (memory_utilization 1.5, max_model_len -5 dry-ran with
+    exit 0): each numeric key has its range in profiles.RANGES; outside it, exit 2 naming the file and the key."""
+    table, _, sub = key.rpartition(".")
+
+    def write(value: str) -> None:
+        text = GOOD.replace(f"{sub} = " + {"max_model_len": "4096\n", "gpus": "1\n"}.get(sub, "?"), "")
+        line = f"{sub} = {value}\n"
+        (tmp_path / "p.toml").write_text(text + line if table else line + text)
+
+    write(bad)
+    with pytest.raises(BadInput) as e:
+        profiles.load("p", tmp_path)
+    lo, hi = profiles.RANGES[key]
+    assert e.value.code == 2 and f"{tmp_path / 'p.toml'}: {key}" in e.value.message, e.value.message
+    assert f"a number from {lo:g} to {hi:g}" in e.value.message and "Fix:" in e.value.message
+    write(good)
+    assert profiles.load("p", tmp_path)
+
+
+def test_every_numeric_key_has_a_range():
+    numeric = {k for k, (t, *_) in profiles.TOP.items() if t in (int, float, (int, float))}
+    numeric |= {f"box.{k}" for k, (t, _) in profiles.BOX.items() if t in (int, float, (int, float))}
+    assert numeric == set(profiles.RANGES)
+
+
 def test_an_unknown_profile_lists_the_ones_there_are():
     with pytest.raises(BadInput) as e:
         config.settings({"PROFILE": "nosuch"})

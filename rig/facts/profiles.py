@@ -17,8 +17,10 @@ file the key came from.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,13 @@ BOX: dict[str, tuple[type | tuple[type, ...], str]] = {
     "gpus": (int, "cards"), "gpu_memory_gb": ((int, float), "GB per card"), "cuda": (str, "driver CUDA, e.g. 13.0"),
     "ram_gib": ((int, float), "host RAM"), "shm_gb": ((int, float), "/dev/shm"), "disk_gb": ((int, float), "free disk"),
     "cores": (int, "CPU cores"), "cpu_flags": (list, "CPU flags, e.g. [\"avx2\"]"),
+}
+#: The range of every numeric key, top-level and ``box.*``: (lowest, highest), both allowed; finite always.
+RANGES: dict[str, tuple[float, float]] = {
+    "max_model_len": (1, 2**31 - 1), "cudagraph_tokens_per_seq": (0, 1024),
+    "memory_utilization": (0, 1),  # a share of each card; 0 leaves it to vLLM
+    "box.gpus": (0, 1024), "box.gpu_memory_gb": (0, 1e6), "box.ram_gib": (0, 1e6), "box.shm_gb": (0, 1e6),
+    "box.disk_gb": (0, 1e9), "box.cores": (0, 1e6),
 }
 DEVICES = ("cuda", "cpu")
 #: The tables a profile that inherits merges key by key with its base's (an empty one removes the base's).
@@ -117,6 +126,17 @@ def _typed(path: Path, key: str, value: object, kind: type | tuple[type, ...], w
     if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
         want = " or ".join(k.__name__ for k in kinds)
         raise _bad(path, key, f"a {want} ({what})", value, f"write {key} as a {want}")
+
+
+def _in_ranges(data: dict, at: Callable[[str], Path]) -> None:
+    """Every numeric key within its range (RANGES): a value vLLM would refuse late, or take, stops here."""
+    for key, (lo, hi) in RANGES.items():
+        table, _, sub = key.rpartition(".")
+        value = (data.get(table) or {}).get(sub) if table else data.get(key)
+        if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+            fmt = "{:g}".format
+            raise _bad(at(key), key, f"a number from {fmt(lo)} to {fmt(hi)}", value,
+                       f"set {key} within that range (profiles: docs/serving.md)")
 
 
 def _read(path: Path) -> dict:
@@ -197,6 +217,7 @@ def _profile(name: str, path: Path, base: str, data: dict, origin: dict[str, Pat
         if key not in BOX:
             raise _bad(at(f"box.{key}"), f"box.{key}", f"one of the keys {', '.join(BOX)}", key, f"remove box.{key}")
         _typed(at(f"box.{key}"), f"box.{key}", value, BOX[key][0], BOX[key][1])
+    _in_ranges(data, at)
     if "cuda" in box and not re.fullmatch(r"\d+\.\d+", box["cuda"]):
         raise _bad(at("box.cuda"), "box.cuda", "a CUDA version like 13.0", box["cuda"], "write cuda = \"13.0\"")
     cuda = tuple(int(x) for x in box["cuda"].split(".")) if "cuda" in box else (0, 0)
