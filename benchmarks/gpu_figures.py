@@ -154,8 +154,8 @@ def interleaved(a: dict, b: dict, model: str, concurrency: int, pairs: int, toke
 
 
 def variant(base: str, name: str, text: str) -> str:
-    """A profile of this run on ``base`` (models/NAME.toml, removed at the end): the profile's own everything
-    else."""
+    """A profile of this run on ``base`` (models/NAME.toml, removed at the end; git ignores models/bench-*.toml, so
+    a copy of the working tree made while it runs keeps it): the profile's own everything else."""
     (profiles.MODELS_DIR / f"{name}.toml").write_text(f'base = "{base}"\n{text}')
     return name
 
