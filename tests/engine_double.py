@@ -10,7 +10,8 @@ prefill of ``prompt tokens / DOUBLE_PREFILL_PACE`` s (no prefill time when that 
 
 * ``DOUBLE_DELAY`` seconds of "loading" before it listens (default 0.5);
 * ``DOUBLE_MODE``: ``ok``; ``no-generate`` (``/v1/models`` and ``/health`` answer, generation fails);
-  ``ignore-term`` (SIGTERM is ignored); ``crash`` (exits 3 while loading);
+  ``ignore-term`` (SIGTERM is ignored); ``crash`` (exits 3 while loading); ``nan`` (answers 200 with a NaN
+  logprob, as a model computing NaN would if its server wrote non-finite JSON);
 * ``DOUBLE_HANG_AFTER=N``: the chat completions after the first N are accepted and never answered, the
   requests stay pending and the token counter stops while ``/health`` and ``/v1/models`` answer: a hung
   EngineCore (N=1 lets the rig's one-token start check pass first);
@@ -162,10 +163,13 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
                     self._stream(body, n, prompt)
                 else:
                     time.sleep(n / pace)
+                    logprob = float("nan") if mode == "nan" else -0.25
+                    lp = {"logprobs": {"content": [{"token": " Paris", "logprob": logprob}] * n}} \
+                        if body.get("logprobs") else {}
                     self._send(200, {"id": "chatcmpl-double", "object": "chat.completion", "model": body["model"],
                                      "choices": [{"index": 0, "message": {"role": "assistant",
                                                                           "content": "Paris " * n},
-                                                  "finish_reason": "length"}],
+                                                  "finish_reason": "length", **lp}],
                                      "usage": {"prompt_tokens": prompt, "completion_tokens": n,
                                                "total_tokens": prompt + n}})
             finally:

@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from rig.facts import config, slots
 from rig.plan import box
 from rig.plan.engine import runtime_dir
 from rig.running import enginerec, supervise
+from rig.running import health as health_mod
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
 
@@ -120,6 +122,66 @@ def test_models_answering_is_not_healthy(rig_env):
     rec = record(env)
     assert not enginerec.group_members(rec["pgid"])  # the failed engine was stopped
     assert not (Path(env["RIG_STATE"]) / "engine.toml").exists()
+
+
+def test_an_engine_computing_nan_is_not_healthy_naming_it(rig_env):
+    """A model that computes NaN answers the one-token request with 200 all the same; the check asks for the
+    token's logprob and calls a non-finite one unhealthy."""
+    r = start({**rig_env, "DOUBLE_MODE": "nan", "START_TIMEOUT": "4"})
+    assert r.code == 1, r.text
+    assert "logprob is nan, not a finite number" in r.err, r.err
+
+
+def slow_server(body: bytes, gap: float, length: int | None = None) -> tuple[int, threading.Event]:
+    """A server that answers every connection with a 200 whose body comes ``gap`` seconds per byte."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            srv.settimeout(0.2)
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(length or len(body)).encode() + b"\r\n\r\n")
+                try:
+                    for i in range(0, len(body), 1 if gap else len(body)):
+                        conn.sendall(body[i:i + (1 if gap else len(body))])
+                        if done.wait(gap):
+                            break
+                    conn.settimeout(5)
+                    while conn.recv(65536):  # the client closes first: closing with its bytes unread resets it
+                        pass
+                except OSError:
+                    pass
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], done
+
+
+def test_the_health_check_has_one_deadline_and_a_cap_on_the_body():
+    """The 30 s timeout was per socket read: a server sending a byte every 5 s was waited on for 391 s and called
+    healthy. One deadline bounds the whole check, and an answer over the cap is refused unread."""
+    answer = json.dumps({"choices": [{"logprobs": {"content": [{"logprob": -0.1}]}}],
+                         "usage": {"completion_tokens": 1}}).encode()
+    port, done = slow_server(answer, gap=0.3)
+    t0 = time.monotonic()
+    ok, detail = supervise.health("127.0.0.1", port, "m", timeout=2)
+    took = time.monotonic() - t0
+    done.set()
+    assert not ok and took < 4, (ok, detail, took)
+    port, done = slow_server(answer, gap=0)
+    assert supervise.health("127.0.0.1", port, "m", timeout=5) == (True, "one token generated")  # the same, at once
+    done.set()
+    port, done = slow_server(b"x" * (health_mod.BODY_CAP + 10), gap=0)
+    ok, detail = supervise.health("127.0.0.1", port, "m", timeout=5)
+    done.set()
+    assert not ok and f"over {health_mod.BODY_CAP} bytes" in detail, detail
 
 
 def test_an_engine_that_dies_while_loading_shows_its_last_lines(rig_env):

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import socket
 import sys
+import threading
 import tomllib
 from pathlib import Path
 
@@ -26,34 +28,65 @@ def connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
+BODY_CAP = 1 << 20  # bytes: a one-token answer with its logprob is about 1 KB
+
+
+def _exchange(conn: http.client.HTTPConnection, body: str, headers: dict, timeout: float) -> tuple[int, bytes]:
+    """POST the request and read at most BODY_CAP bytes of the answer, all within ``timeout`` seconds in all: a
+    timer shuts the socket at the deadline, so a server that sends a byte at a time cannot stretch the check."""
+    conn.connect()
+    timer = threading.Timer(timeout, lambda: conn.sock and conn.sock.shutdown(socket.SHUT_RDWR))
+    timer.start()
+    try:
+        conn.request("POST", "/v1/chat/completions", body, headers)
+        resp = conn.getresponse()
+        data = resp.read(BODY_CAP + 1)
+    finally:
+        timer.cancel()
+    if len(data) > BODY_CAP:
+        raise http.client.HTTPException(f"an answer over {BODY_CAP} bytes")
+    if not data and resp.status == 200:  # the deadline shut the socket while the body was still coming
+        raise TimeoutError(f"no whole answer within {timeout:g} s")
+    return resp.status, data
+
+
+def _verdict(data: bytes) -> tuple[bool, str]:
+    """A generated token whose logprob is a finite number: an engine computing NaN answers 200 all the same."""
+    try:
+        answer = json.loads(data)
+        choices, usage = answer["choices"], answer.get("usage") or {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False, "HTTP 200 but not a chat completion"
+    if not choices or usage.get("completion_tokens", 1) < 1:
+        return False, "HTTP 200 but no token generated"
+    try:
+        logprob = choices[0]["logprobs"]["content"][0]["logprob"]
+    except (KeyError, IndexError, TypeError):
+        return False, "HTTP 200 but the token came without the logprob asked for"
+    if not isinstance(logprob, (int, float)) or not math.isfinite(logprob):
+        return False, f"the token's logprob is {logprob!r}, not a finite number: the model computes garbage"
+    return True, "one token generated"
+
+
 def health(host: str, port: int, model: str, api_key: str = "", timeout: float = 60.0,
            extra: dict | None = None) -> tuple[bool, str]:
-    """A one-token chat completion (with the profile's ``extra`` fields): (True, detail) when the engine
-    generated it."""
+    """A one-token chat completion with its logprob (and the profile's ``extra`` fields), answered within
+    ``timeout`` seconds in all: (True, detail) when the engine generated a token of finite logprob."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                       **(extra or {})})
+                       "logprobs": True, **(extra or {})})
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/chat/completions", body, headers)
-        resp = conn.getresponse()
-        data = resp.read()
+        status, data = _exchange(conn, body, headers, timeout)
     except (OSError, http.client.HTTPException) as exc:
         return False, f"no answer ({exc.__class__.__name__}: {exc})"
     finally:
         conn.close()
-    if resp.status != 200:
-        return False, f"HTTP {resp.status}: {data[:200].decode(errors='replace').strip()}"
-    try:
-        choices = json.loads(data)["choices"]
-        usage = json.loads(data).get("usage") or {}
-    except (ValueError, KeyError, TypeError):
-        return False, "HTTP 200 but not a chat completion"
-    if not choices or usage.get("completion_tokens", 1) < 1:
-        return False, "HTTP 200 but no token generated"
-    return True, "one token generated"
+    if status != 200:
+        return False, f"HTTP {status}: {data[:200].decode(errors='replace').strip()}"
+    return _verdict(data)
 
 
 def port_open(host: str, port: int) -> bool:
