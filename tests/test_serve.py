@@ -81,7 +81,7 @@ def alive(pid: int) -> bool:
 
 
 def test_detached_start_status_stop(rig_env):
-    env = {**rig_env, "VLLM_API_KEY": "sekrit-key", "MODEL_NAME": "qwen38 Hinata"}
+    env = {**rig_env, "VLLM_API_KEY": "sekrit-key", "MODEL_NAME": "qwen38 Hinata", "NODES_SECRET": "n" * 40}
     r = start(env)
     assert r.code == 0, r.text
     assert "ready in" in r.out and "model qwen38, Hinata" in r.out
@@ -91,6 +91,7 @@ def test_detached_start_status_stop(rig_env):
     assert alive(rec["pid"]) and rec["pgid"] == leader.pgid != os.getpgid(0)  # its own process group
     # The key reaches the engine through its environment, never its command line.
     assert "sekrit-key" not in " ".join(rec["argv"]) and rec["env"]["VLLM_API_KEY"] == "sekrit-key"
+    assert "NODES_SECRET" not in rec["env"]  # the rigs' secret, not vLLM's
     assert rec["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and rec["env"]["NCCL_P2P_DISABLE"] == "1"
     assert rec["env"]["TRITON_CACHE_DIR"].startswith(env["CACHE_ROOT"])
     argv = rec["argv"]

@@ -25,6 +25,7 @@ from conftest import engine_like
 
 from rig.build import demo
 from rig.plan.engine import SERIES_VARS
+from rig.running import enginerec
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -526,6 +527,20 @@ def test_two_nodes_serve_one_model_through_the_head(two_nodes):
     assert "already running: worker 1 of the head at http://127.0.0.1:" in again.stdout, again.stdout
     print(f"\ntwo-node demo to healthy: {both:.0f} s; one-node demo in the same run: {one:.0f} s "
           f"({both / one:.2f}x)")
+
+
+def test_the_engines_of_both_nodes_never_see_the_nodes_secret(two_nodes):
+    """NODES_SECRET signs the rigs' calls to the head's registry; vLLM and its workers have no use for it. Read from
+    /proc/PID/environ of every process of each node's engine group (the API server, EngineCore, the workers)."""
+    dest, head, worker, (hc, _), (wc, _), _ = two_nodes
+    assert hc == 0 and wc == 0
+    for node in (head, worker):
+        rec = tomllib_load(Path(node["RIG_STATE"]) / "engine.toml")
+        members = enginerec.group_members(rec["pgid"])
+        assert len(members) >= 2, members
+        for pid in members:
+            names = {kv.split(b"=", 1)[0] for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv}
+            assert b"NODES_SECRET" not in names and b"VLLM_API_KEY" in names, (pid, psutil.Process(pid).cmdline())
 
 
 def test_a_killed_worker_makes_the_head_unhealthy_naming_the_node_and_stop_leaves_nothing(two_nodes):

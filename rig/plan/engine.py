@@ -26,6 +26,9 @@ from rig.plan.topology import Topology, engine_args
 SERIES_VARS = ("PLE_OFFLOAD", "PLE_HOME", "QWEN38_ABLITERATION", "ABLITERATION_DIR", "GUARD", "COUNTERS",
                "SCALES")
 SECRET = "VLLM_API_KEY"
+#: The rig's own secrets, for the rigs of a multi-node setting only: kept out of vLLM's environment and its
+#: workers' (VLLM_API_KEY and HF_TOKEN are vLLM's own and pass).
+RIG_SECRETS = ("NODES_SECRET",)
 #: Each engine's own runtime folder under :func:`runtime_dir`: ``/`` and 8 hex digits (rig/running/supervise.py makes
 #: it).
 OWN_FOLDER = 9
@@ -40,7 +43,9 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)  # what the rig sets on top of the caller's environment
 
     def full_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        return {**(os.environ if base is None else base), **self.env}
+        """The caller's environment without the rig's own secrets, and what the rig sets on top."""
+        given = os.environ if base is None else base
+        return {**{k: v for k, v in given.items() if k not in RIG_SECRETS}, **self.env}
 
     def shown(self) -> list[str]:
         """The command and the variables the rig sets, the key masked: what a dry run prints."""
