@@ -105,6 +105,39 @@ def test_the_engine_command_is_the_profiles():
     assert "CUDA_VISIBLE_DEVICES" not in dm.env and dm.argv[0].endswith(".venv-cpu/bin/vllm")
 
 
+@pytest.mark.parametrize("extra,kept", [
+    (["--enable-expert-parallel"], []),  # the topology sets it: merged, once in the command
+    (["--max-model-len=262144", "--trust-remote-code"], ["--trust-remote-code"]),
+    (["--max_model_len", "262144", "--seed", "7"], ["--seed", "7"]),
+])
+def test_extra_args_that_repeat_the_rigs_flags_are_merged(tmp_path, extra, kept):
+    (tmp_path / "p.toml").write_text(f'base = "reference"\nextra_args = {extra!r}\n'.replace("'", '"'))
+    (tmp_path / "reference.toml").write_text(profiles.load("reference").path.read_text())
+    p = profiles.load("p", tmp_path)
+    four = topology.choose([0, 1, 2, 3], {})
+    argv = engine.command(config.settings({}), config.serve_settings({}), four, None, p).argv
+    assert argv.count("--enable-expert-parallel") == 1 and argv.count("--max-model-len") == 1
+    tail = argv[len(argv) - len(kept):] if kept else []
+    assert tail == kept and not [a for a in argv if a.startswith("--max_model_len")]
+
+
+@pytest.mark.parametrize("extra,owner", [
+    (["--max-model-len", "999"], "the profile's max_model_len"),
+    (["--kv-cache-dtype=auto"], "the profile's kv_cache_dtype"),
+    (["-tp", "1"], "the topology"),
+    (["--port", "9"], "PORT"),
+])
+def test_extra_args_that_contradict_the_rig_are_refused_naming_what_to_use(tmp_path, extra, owner):
+    (tmp_path / "p.toml").write_text(f'base = "reference"\nextra_args = {extra!r}\n'.replace("'", '"'))
+    (tmp_path / "reference.toml").write_text(profiles.load("reference").path.read_text())
+    p = profiles.load("p", tmp_path)
+    four = topology.choose([0, 1, 2, 3], {})
+    with pytest.raises(BadInput) as e:
+        engine.command(config.settings({}), config.serve_settings({}), four, None, p)
+    assert e.value.code == 2 and f"{tmp_path / 'p.toml'}: extra_args" in e.value.message
+    assert owner in e.value.message and "remove" in e.value.message, e.value.message
+
+
 # -- inheritance ------------------------------------------------------------------------------------------------
 
 #: What the tiny reference-shaped profile may name itself: the checkpoint, what describes it, and the box it needs.

@@ -19,7 +19,7 @@ from pathlib import Path
 from rig.base.errors import BadInput, problem
 from rig.facts.config import Serve, Settings
 from rig.facts.profiles import Profile
-from rig.plan import ple
+from rig.plan import extraargs, ple
 from rig.plan.topology import Topology, engine_args
 
 #: Variables the series defines; the rig checks their shape and passes them on unchanged.
@@ -144,7 +144,7 @@ def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
                  json.dumps({"max_cudagraph_capture_size": v.max_seqs * p.cudagraph_tokens_per_seq})]
     if p.memory_utilization:
         argv += ["--gpu-memory-utilization", str(p.memory_utilization)]
-    argv += list(p.extra_args)
+    argv += extraargs.merge(argv, list(p.extra_args), p.path)
     run = str(runtime_dir(s))
     env = {
         "VLLM_LOG_STATS_INTERVAL": v.stats_interval,
