@@ -378,6 +378,17 @@ def dry_start(env: dict) -> int:
                         clear_cache=False)
 
 
+def test_a_variable_of_vllms_name_that_the_rig_does_not_read_is_named_with_what_does(rig_env, monkeypatch, capsys,
+                                                                                       roomy):
+    """GPU_MEMORY_UTILIZATION=0.5 was silently ignored: the start warns, naming the profile key that does it."""
+    monkeypatch.setattr(box, "read_nvml", lambda: reading())
+    assert dry_start({**rig_env, "GPU_MEMORY_UTILIZATION": "0.5", "MAX_NUM_SEQS": "8"}) == 0
+    err = capsys.readouterr().err
+    assert "GPU_MEMORY_UTILIZATION=0.5 is not read by the rig" in err and "memory_utilization" in err, err
+    assert "MAX_NUM_SEQS=8 is not read by the rig" in err and "use MAX_SEQS" in err, err
+    assert dry_start(rig_env) == 0 and "is not read by the rig" not in capsys.readouterr().err
+
+
 def start_in_process(env, monkeypatch, capsys, read):
     monkeypatch.setattr(box, "read_nvml", read)
     with pytest.raises(BadInput) as e:

@@ -21,7 +21,7 @@ from rig.build import demo
 from rig.build.buildlock import BuildLock
 from rig.build.steps import pipeline
 from rig.build.steps.order import steps
-from rig.facts import slots
+from rig.facts import config, slots
 from rig.facts.config import Serve, Settings
 from rig.nodes import part
 from rig.plan import box, engine, serve
@@ -34,6 +34,8 @@ def run(s: Settings, env: Mapping[str, str], *, foreground: bool, dry_run: bool,
     """``./start.sh`` of the build ``s`` names (the front door resolved which is current); the exit status."""
     v, p = serve.inputs(s, env)
     say(f"profile: {p.name} ({p.path}); the {s.device} build")
+    for line in config.unread(env):
+        warn(line)
     if foreground and env.get(sdnotify.VAR):  # under the unit: the limits it asks for, as this process got them
         for line in limits.shortfalls(limits.asked()):
             warn(line)

@@ -401,6 +401,25 @@ def bench_settings(env: Mapping[str, str] | None = None, root: Path | None = Non
                  model=b.model or serve_settings(env, root).names[0], tokenizer=b.tokenizer or s.ckpt)
 
 
+#: Names a user of vLLM (or of another launcher) may set that the rig does not read, and what does that job here.
+UNREAD = {
+    "GPU_MEMORY_UTILIZATION": "the profile's memory_utilization", "MAX_MODEL_LEN": "the profile's max_model_len",
+    "KV_CACHE_DTYPE": "the profile's kv_cache_dtype", "MAX_NUM_SEQS": "MAX_SEQS",
+    "MAX_NUM_BATCHED_TOKENS": "MAX_BATCHED_TOKENS", "SERVED_MODEL_NAME": "MODEL_NAME", "MODEL_PATH": "CKPT",
+    "API_KEY": "VLLM_API_KEY", "TENSOR_PARALLEL_SIZE": "CUDA_VISIBLE_DEVICES (the topology follows the cards)",
+    "PIPELINE_PARALLEL_SIZE": "CUDA_VISIBLE_DEVICES (the topology follows the cards)",
+    "SPECULATIVE_CONFIG": "the profile's [speculative] table", "NUM_SPECULATIVE_TOKENS": "the profile's "
+    "[speculative] table", "BLOCK_SIZE": "MAX_BATCHED_TOKENS (the profile's block_size follows it)",
+    "ENFORCE_EAGER": "the profile's extra_args",
+}
+
+
+def unread(env: Mapping[str, str]) -> list[str]:
+    """A warning for each variable of UNREAD that is set: silently ignored, it would look like it worked."""
+    return [f"{name}={env[name]} is not read by the rig (it is vLLM's flag, not a variable here): use {what}"
+            for name, what in UNREAD.items() if env.get(name, "").strip()]
+
+
 def markdown_table() -> str:
     """The README's variables table, as this module defines it."""
     lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
