@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import socket
 import subprocess
@@ -96,7 +97,9 @@ def refusal(secret: str, method: str, path: str, stamp: str | None, sig: str | N
     try:
         age = abs((time.time() if now is None else now) - float(stamp))
     except ValueError:
-        return f"a bad time stamp {stamp[:40]!r}"
+        age = math.nan
+    if not math.isfinite(age):
+        return f"a bad time stamp {ascii(stamp[:40])} (expected seconds since the epoch)"
     if not hmac.compare_digest(sig, signature(secret, method, path, stamp, body)):
         return "a wrong signature (another NODES_SECRET)"
     if age > SKEW:
@@ -107,7 +110,7 @@ def refusal(secret: str, method: str, path: str, stamp: str | None, sig: str | N
 def call(base: str, path: str, body: dict | None = None, *, secret: str, timeout: float = 5.0) -> tuple[int, dict]:
     """(HTTP status, JSON body) of a call signed with ``secret``; status 0 when the registry cannot be reached."""
     data = json.dumps(body).encode() if body is not None else None
-    stamp = f"{time.time():.3f}"
+    stamp = f"{time.time():.6f}"  # a call is good once: two of the same body need two stamps
     sig = signature(secret, "POST" if data is not None else "GET", path, stamp, data or b"")
     req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
                                                                   STAMP: stamp, SIGNATURE: sig})

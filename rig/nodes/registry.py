@@ -7,6 +7,13 @@ build (:class:`Registry`), their beats, and the head's flags (go, ready, stop). 
 naming its address. Its settings come on stdin (the token and the secret among them, so that no other user's
 process sees them). The rest of this module is the head's side of it:
 waiting for the workers, telling them, and the lines ``status`` prints from their beats.
+
+It faces a network, so what a caller without the secret can make it do is bounded: the signature headers are
+checked before the body is read, the body has a cap (``BODY_MAX``) and a declared length, each read or write a
+timeout, the connections a cap in all and per address; a signed call is good once (its signature is remembered
+for the window), every field has its type, and refusals are logged escaped, short, and counted past a few a
+minute. It stays on the standard library's HTTP server: the rig's own Python has no other, and these bounds are
+the ones a stack such as uvicorn/h11 would give it (which lives in the engine's venv, not the rig's).
 """
 
 from __future__ import annotations
@@ -17,13 +24,41 @@ import secrets
 import sys
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from rig.base.console import say, stamped
 from rig.base.errors import BadInput, WorkFailed, problem
 from rig.facts.config import Serve, Settings
 from rig.nodes import client
 from rig.nodes.client import Role, call
+
+BODY_MAX = 64 * 1024  # bytes: a join (the build's identity) is about 2 KB, a beat about 200 bytes
+IO_TIMEOUT = 5.0  # seconds a caller may take for each read or write of its call
+CONN_MAX, CONN_PER_ADDR = 64, 8  # open connections in all, and from one address (far under the open-file limit)
+LOG_PER_MINUTE = 5  # refusals logged in full from one address a minute; the rest are counted
+TEXT_MAX = 2000  # characters of a text field (an address, a beat's detail)
+
+
+def _shape(body: dict, fields: dict[str, type], optional: dict[str, type] | None = None) -> str:
+    """'' when each field has its type (an int never a bool; ``optional`` ones may be missing), else what is
+    wrong, naming the field."""
+    for name, kind in {**fields, **{k: t for k, t in (optional or {}).items() if k in body}}.items():
+        value = body.get(name)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is str and ok:
+            ok = len(value) <= TEXT_MAX
+        if not ok:
+            shown = ascii(value)[:60] if value is not None else "nothing"
+            limit = f" (at most {TEXT_MAX} characters)" if kind is str else ""
+            return f"{name}: expected a {kind.__name__}{limit}, found {shown}"
+    return ""
+
+
+def _printable(text: str, limit: int = 80) -> str:
+    """``text`` for the log: control and non-ASCII characters escaped, at most ``limit`` characters of it."""
+    return ascii(text[:limit])[1:-1] + ("..." if len(text) > limit else "")
 
 
 class Registry:
@@ -35,6 +70,18 @@ class Registry:
         self.refused: dict[int, str] = {}
         self.flags = {"go": False, "ready": False, "stop": False}
         self.lock = threading.Lock()
+        self.used: dict[str, float] = {}  # signatures seen, until they would be too old anyway
+
+    def once(self, sig: str) -> bool:
+        """True the first time a (good) signature is seen in the window: a captured call cannot be replayed."""
+        now = time.monotonic()
+        with self.lock:
+            if len(self.used) > 1000:
+                self.used = {k: t for k, t in self.used.items() if t > now}
+            if self.used.get(sig, 0) > now:
+                return False
+            self.used[sig] = now + 2 * client.SKEW + 1
+            return True
 
     def state(self) -> dict:
         with self.lock:
@@ -43,8 +90,11 @@ class Registry:
                     "refused": {str(r): m for r, m in self.refused.items()}}
 
     def join(self, body: dict) -> tuple[int, dict]:
-        rank = body.get("rank")
-        if not isinstance(rank, int) or not 0 < rank < self.nodes:
+        wrong = _shape(body, {"rank": int, "identity": dict}, {"address": str})
+        if wrong:
+            return 400, {"error": wrong}
+        rank = body["rank"]
+        if not 0 < rank < self.nodes:
             return 400, {"error": f"NODE_RANK: expected 1 to {self.nodes - 1} (NODES={self.nodes} at the head), "
                                   f"found {rank}"}
         diff = client.differences(self.head, body.get("identity") or {})
@@ -60,6 +110,9 @@ class Registry:
             return 200, {"ok": True, **self.flags}
 
     def beat(self, body: dict) -> tuple[int, dict]:
+        wrong = _shape(body, {"rank": int, "engine": str}, {"detail": str})
+        if wrong:
+            return 400, {"error": wrong}
         with self.lock:
             member = self.members.get(body.get("rank"))
             if member is None:
@@ -68,46 +121,143 @@ class Registry:
             return 200, dict(self.flags)
 
     def control(self, body: dict) -> tuple[int, dict]:
-        if body.get("token") != self.token or body.get("action") not in self.flags:
+        wrong = _shape(body, {"token": str, "action": str})
+        if wrong:
+            return 400, {"error": wrong}
+        if not secrets.compare_digest(body["token"], self.token) or body["action"] not in self.flags:
             return 403, {"error": "the head's rig only"}
         with self.lock:
             self.flags[body["action"]] = True
         return 200, dict(self.flags)
 
 
-def _handler(reg: Registry) -> type[BaseHTTPRequestHandler]:
+class Refusals:
+    """The log's account of refused calls: the first few a minute from an address in full (escaped, short), then
+    one line counting the rest, so that calls without the secret cannot flood or poison the log."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.minute = 0
+        self.seen: Counter[str] = Counter()
+
+    def note(self, addr: str, line: str) -> None:
+        now = int(time.monotonic() // 60)
+        with self.lock:
+            if now != self.minute:
+                for a, n in sorted(self.seen.items()):
+                    if n > LOG_PER_MINUTE:
+                        stamped(f"refused {n - LOG_PER_MINUTE} more call(s) from {a} in the minute before")
+                self.minute, self.seen = now, Counter()
+            self.seen[addr] += 1
+            if self.seen[addr] <= LOG_PER_MINUTE:
+                stamped(line)
+
+
+class Server(ThreadingHTTPServer):
+    """The standard library's threading server with a cap on open connections, in all and from one address: a
+    flood of idle clients is turned away at the door instead of taking every thread and file."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (5 by default): turned away fast, not left to SYN retries
+
+    def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(addr, handler)
+        self.open: Counter[str] = Counter()
+        self.held: set[int] = set()
+        self.count_lock = threading.Lock()
+
+    def verify_request(self, request, client_address) -> bool:  # noqa: ANN001 - socketserver's signature
+        addr = client_address[0]
+        with self.count_lock:
+            if sum(self.open.values()) >= CONN_MAX or self.open[addr] >= CONN_PER_ADDR:
+                return False
+            self.open[addr] += 1
+            self.held.add(id(request))
+        return True
+
+    def shutdown_request(self, request) -> None:  # noqa: ANN001
+        with self.count_lock:
+            if id(request) in self.held:
+                self.held.discard(id(request))
+                try:
+                    addr = request.getpeername()[0]
+                except OSError:
+                    addr = None
+                if addr is not None and self.open[addr] > 0:
+                    self.open[addr] -= 1
+                elif addr is None:  # the peer is gone: take one from the fullest, the counts stay a bound
+                    fullest = max(self.open, key=self.open.get, default=None)
+                    if fullest is not None and self.open[fullest] > 0:
+                        self.open[fullest] -= 1
+        super().shutdown_request(request)
+
+
+def _handler(reg: Registry, refusals: Refusals | None = None) -> type[BaseHTTPRequestHandler]:
+    said = refusals or Refusals()
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = IO_TIMEOUT  # each read and write of the call (socketserver sets it on the socket)
+
         def _send(self, code: int, data: dict) -> None:
             raw = json.dumps(data).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(raw)))
+            self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(raw)
 
+        def _refuse(self, code: int, why: str) -> None:
+            said.note(self.client_address[0], f"refused {self.command} {_printable(self.path)} from "
+                                              f"{self.client_address[0]}: {why}")
+            self._send(code, {"error": f"refused: {why}"})
+
         def _signed(self, raw: bytes) -> bool:
-            """Whether the call carries a good signature; else a 401 and a line naming the caller."""
-            why = client.refusal(reg.secret, self.command, self.path, self.headers.get(client.STAMP),
-                                 self.headers.get(client.SIGNATURE), raw)
+            """Whether the call carries a good signature not seen before; else a 401 and a line naming the caller."""
+            sig = self.headers.get(client.SIGNATURE)
+            why = client.refusal(reg.secret, self.command, self.path, self.headers.get(client.STAMP), sig, raw)
+            if not why and not reg.once(sig or ""):
+                why = "a call made before (a replay: a signed call is good once)"
             if why:
-                stamped(f"refused {self.command} {self.path} from {self.client_address[0]}: {why}")
-                self._send(401, {"error": f"refused: {why}"})
+                self._refuse(401, why)
             return not why
+
+        def _body(self) -> bytes | None:
+            """The body, read only after the headers are checked: its declared length, at most BODY_MAX."""
+            stamp, sig = self.headers.get(client.STAMP), self.headers.get(client.SIGNATURE)
+            if not stamp or not sig:  # nothing is read for a call that cannot be good
+                self._refuse(401, "no signature (a node without NODES_SECRET, or not a node of this rig)")
+                return None
+            length = self.headers.get("Content-Length")
+            if length is None or not (length.isascii() and length.isdigit()):
+                self._refuse(400, f"Content-Length: expected a number of bytes, found {ascii(length)[:40]}")
+                return None
+            if int(length) > BODY_MAX:
+                self._refuse(413, f"a body of {length[:20]} bytes (at most {BODY_MAX})")
+                return None
+            try:
+                raw = self.rfile.read(int(length))
+            except OSError:  # a timeout among them
+                return None
+            return raw if len(raw) == int(length) else None
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self._signed(b""):
-                self._send(*((200, reg.state()) if self.path == "/state" else (404, {"error": self.path})))
+                self._send(*((200, reg.state()) if self.path == "/state" else (404, {"error": self.path[:80]})))
 
         def do_POST(self) -> None:  # noqa: N802
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if not self._signed(raw):
+            raw = self._body()
+            if raw is None or not self._signed(raw):
                 return
             try:
                 body = json.loads(raw or b"{}")
             except ValueError:
-                body = {}
+                return self._send(400, {"error": "the body: expected JSON"})
             route = {"/join": reg.join, "/beat": reg.beat, "/control": reg.control}.get(self.path)
-            self._send(*(route(body) if route and isinstance(body, dict) else (404, {"error": self.path})))
+            if route is None:
+                return self._send(404, {"error": self.path[:80]})
+            self._send(*(route(body) if isinstance(body, dict) else (400, {"error": "the body: expected an "
+                                                                                     "object"})))
 
         def log_message(self, *args: object) -> None:  # the registry's own log stays quiet
             pass
@@ -115,11 +265,23 @@ def _handler(reg: Registry) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+LOG_MAX = 10 * 1024 * 1024  # bytes of registry.log before a head's start moves it to registry.log.1
+
+
 def main() -> None:
     """The registry process: its settings from stdin (what :func:`open_registry` wrote), then serve forever."""
     conf = json.loads(sys.stdin.read())
     reg = Registry(conf["nodes"], conf["identity"], conf["token"], conf["secret"])
-    ThreadingHTTPServer((conf["bind"], conf["port"]), _handler(reg)).serve_forever()
+    Server((conf["bind"], conf["port"]), _handler(reg)).serve_forever()
+
+
+def _rotate(log: Path) -> None:
+    """One older registry.log kept: refusals are counted, not each logged, but a long life still adds up."""
+    try:
+        if log.stat().st_size > LOG_MAX:
+            os.replace(log, log.with_name(log.name + ".1"))
+    except FileNotFoundError:
+        pass
 
 
 # -- the head's side -------------------------------------------------------------------------------------------------
@@ -131,6 +293,7 @@ def open_registry(s: Settings, v: Serve, ident: dict, bind: str) -> Role:
     token = secrets.token_hex(16)
     conf = {"nodes": v.nodes, "identity": ident, "token": token, "secret": v.nodes_secret, "bind": bind,
             "port": v.nodes_port}
+    _rotate(s.state_dir / "registry.log")
     proc = client.spawn("rig.nodes.registry", dict(os.environ), s.state_dir / "registry.log",
                         json.dumps(conf).encode())
     base = f"http://{bind}:{v.nodes_port}"
