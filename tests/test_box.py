@@ -97,6 +97,29 @@ def test_checkpoint_and_scales(tmp_path):
     assert c["KV scales"].status == "fail" and "none.json" in c["KV scales"].expected
 
 
+@pytest.mark.parametrize("config,ok", [
+    ({"max_position_embeddings": 4096}, False),
+    ({"max_position_embeddings": 262144}, True),
+    ({"text_config": {"max_position_embeddings": 32768}}, False),  # Gemma 3n keeps it in text_config
+    ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 64.0}}, True),
+    ({"n_positions": 1024, "max_position_embeddings": True}, False),  # a bool is no length
+    ({}, True),  # nothing said: vLLM's own default decides
+])
+def test_a_context_longer_than_the_checkpoint_was_made_for_fails_the_box_check(tmp_path, config, ok):
+    """vLLM refuses max_model_len above the checkpoint's max_position_embeddings only 20-40 s into its start, with
+    a pydantic traceback: the box check names both values first (a failed check: exit 2)."""
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(config))
+    got = by_name(box.model_checks(settings(CKPT=str(ck)), REF)).get("context")
+    assert (got is None) == ok, got
+    if not ok:
+        assert got.status == "fail" and "262,144" in got.found and "max_model_len = " in got.fix, got
+        limit = int(got.fix.split("max_model_len = ")[1].split(")")[0])
+        fixed = profiles.Profile(**{**REF.__dict__, "max_model_len": limit})  # the fix: the profile it names
+        assert "context" not in by_name(box.model_checks(settings(CKPT=str(ck)), fixed))
+
+
 def test_port_in_use_and_bad_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from conftest import ROOT, run_rig
 
-from rig.base.errors import BadInput
+from rig.base.errors import BadInput, Busy
 from rig.control import start as starting
 from rig.facts import config, slots
 from rig.plan import box
@@ -376,6 +376,22 @@ def dry_start(env: dict) -> int:
     """``./start.sh --dry-run`` in this process, the front door's way: the current build resolved first."""
     return starting.run(slots.settings(env), env, foreground=False, dry_run=True, build=False, box_check=True,
                         clear_cache=False)
+
+
+def test_a_taken_port_is_a_busy_box_exit_75_and_the_unit_restarts_that_not_exit_2(rig_env, monkeypatch, roomy):
+    """The unit did not tell a configuration to fix from a box busy for now: exit 2 restarted every 30 s until
+    the start limit. A taken port is exit 75 (restarted); the unit does not restart exit 2."""
+    monkeypatch.setattr(box, "read_nvml", lambda: reading())
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = {**rig_env, "HOST": "127.0.0.1", "PORT": str(held.getsockname()[1])}
+        with pytest.raises(Busy) as e:
+            starting.run(slots.settings(env), env, foreground=False, dry_run=False, build=False, box_check=True,
+                         clear_cache=False)
+    assert e.value.code == 75 and "the box check" in e.value.message
+    unit = (ROOT / "systemd" / "vllm.service").read_text()
+    assert "\nRestartPreventExitStatus=2\n" in unit and "\nRestart=on-failure\n" in unit
 
 
 def test_a_variable_of_vllms_name_that_the_rig_does_not_read_is_named_with_what_does(rig_env, monkeypatch, capsys,

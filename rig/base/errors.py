@@ -1,4 +1,4 @@
-"""The rig's two kinds of failure, each with its exit code.
+"""The rig's kinds of failure, each with its exit code.
 
 Every message names the item, the expected and the found value, and the fix;
 the command-line entry points print it and exit with the code.
@@ -21,6 +21,13 @@ class BadInput(RigError):
     """Bad input, or a box that cannot do the work: exit 2."""
 
     code = 2
+
+
+class Busy(RigError):
+    """The box is busy for now (the port taken): exit 75, EX_TEMPFAIL. The unit restarts it, where it does not
+    restart exit 2, a configuration to fix (RestartPreventExitStatus=2)."""
+
+    code = 75
 
 
 class WorkFailed(RigError):

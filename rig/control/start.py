@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from rig.base import limits
 from rig.base.console import say, warn
-from rig.base.errors import BadInput
+from rig.base.errors import BadInput, Busy
 from rig.build import demo
 from rig.build.buildlock import BuildLock
 from rig.build.steps import pipeline
@@ -48,7 +48,7 @@ def run(s: Settings, env: Mapping[str, str], *, foreground: bool, dry_run: bool,
     report = serve.check_box(s, v, p, box_check)
     serve.show_box(report, dry_run)
     if report.refusal and not dry_run:
-        raise BadInput(report.refusal)
+        raise (Busy if report.busy else BadInput)(report.refusal)
     plan = serve.plan(s, v, p, report, foreground=foreground)
     serve.show(plan)
     if dry_run:

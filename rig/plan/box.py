@@ -229,6 +229,10 @@ def host_checks(s: Settings, p: Profile) -> list[Check]:
     return out
 
 
+#: The checks whose failure passes by itself later (a start fails with exit 75, which the unit restarts).
+TRANSIENT = ("port",)
+
+
 def port_check(s: Settings) -> Check:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -248,7 +252,7 @@ def model_checks(s: Settings, p: Profile) -> list[Check]:
     if not (ckpt / "config.json").is_file():
         return [Check("checkpoint", "fail", f"{ckpt}/config.json", "no config.json",
                       "point CKPT at the checkpoint folder itself")]
-    out = [Check("checkpoint", "pass", "a folder with config.json", str(ckpt))]
+    out = [Check("checkpoint", "pass", "a folder with config.json", str(ckpt)), *context_check(ckpt, p)]
     if s.device == "cpu":
         out += cpu_engine_checks(ckpt, p)
     if not p.scales and not s.scales:
@@ -270,6 +274,36 @@ def model_checks(s: Settings, p: Profile) -> list[Check]:
                          "copy this checkpoint's FP8 KV scales there, or set SCALES "
                          "(another checkpoint's will not do)"))
     return out
+
+
+#: config.json's keys for the longest context a model was made for (vLLM v0.30.0 reads these, and text_config's).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len", "model_max_length")
+
+
+def context_check(ckpt: Path, p: Profile) -> list[Check]:
+    """The profile's max_model_len against the checkpoint's own limit: vLLM refuses a longer one only after 20-40 s
+    of its start, with a pydantic traceback. The limit is the largest of the context keys, with a RoPE scaling
+    factor applied: so a start is refused here only where vLLM would refuse it too."""
+    try:
+        config = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # vLLM names a malformed config itself
+    tables = [t for t in (config, config.get("text_config")) if isinstance(t, dict)]
+    found = [(t[k], k) for t in tables for k in CONTEXT_KEYS
+             if isinstance(t.get(k), int) and not isinstance(t.get(k), bool) and t[k] > 0]
+    if not found:
+        return []
+    limit, key = max(found)
+    scaling = [t.get("rope_scaling") or {} for t in tables]
+    factor = max([float(r.get("factor", 1) or 1) for r in scaling if isinstance(r, dict)] + [1.0])
+    if p.max_model_len <= limit * factor:
+        return []
+    scaled = f" x its rope_scaling factor {factor:g}" if factor > 1 else ""
+    return [Check("context", "fail", f"max_model_len at most the checkpoint's {key} {limit:,}{scaled}",
+                  f"{p.max_model_len:,} ({p.path.name})", f"lower max_model_len (a profile of your own with base = "
+                  f"\"{p.name}\" and max_model_len = {int(limit * factor)}), or serve a checkpoint made for that "
+                  "context")]
 
 
 def cpu_engine_checks(ckpt: Path, p: Profile) -> list[Check]:

@@ -56,8 +56,14 @@ class BoxReport:
         return [c for c in self.checks if c.status == "fail"]
 
     @property
+    def busy(self) -> bool:
+        """Whether every check that failed is one that passes by itself later (the port: what holds it ends)."""
+        return bool(self.failed) and all(c.name in box.TRANSIENT for c in self.failed)
+
+    @property
     def refusal(self) -> str:
-        """Why a start stops here (exit 2), or "" when the box passed or was not checked."""
+        """Why a start stops here (exit 2, or 75 when :attr:`busy`), or "" when the box passed or was not
+        checked."""
         if not self.failed:
             return ""
         return problem("the box check", "every check to pass", f"{len(self.failed)} of {len(self.checks)} checks "
