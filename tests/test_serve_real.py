@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -684,9 +685,39 @@ def test_stop_leaves_no_process_of_the_engine(served):
     sockets = [p.name for p in own.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
     assert sockets, sorted(p.name for p in own.iterdir())
     assert not [p for p in Path("/tmp").iterdir() if p.name in sockets]
-    s = nox(dest, env, "-s", "stop")
-    assert s.returncode == 0, s.stdout + s.stderr
-    assert "no process of it is left" in s.stdout
+    # The stop drains: three requests in flight when it begins finish with their whole answer, and a new one is
+    # refused at once (DRAIN_TIMEOUT, vLLM's --shutdown-timeout), not left hanging.
+    want = 256
+    answers: dict[int, tuple[int, dict]] = {}
+    long = {"model": "demo", "messages": [{"role": "user", "content": "tell a long story"}], "max_tokens": want,
+            "temperature": 0, "ignore_eos": True}
+    askers = [threading.Thread(target=lambda i=i: answers.__setitem__(i, post(env, long))) for i in range(3)]
+    for t in askers:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    stopping = subprocess.Popen([str(dest / "scripts" / "nox.sh"), "-s", "stop"], cwd=dest, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.5)
+    t1 = time.monotonic()
+    try:
+        code, text = request(env, "chat/completions", {**long, "max_tokens": 4})
+        late = f"HTTP {code}" + (f", finish_reason {json.loads(text)['choices'][0]['finish_reason']}"
+                                 if code == 200 else "")
+    except (urllib.error.URLError, OSError) as exc:
+        late = f"refused ({exc})"
+    late_took = time.monotonic() - t1
+    out, _ = stopping.communicate(timeout=120)
+    for t in askers:
+        t.join(timeout=60)
+    assert stopping.returncode == 0, out
+    assert "no process of it is left" in out and "letting the requests in flight finish" in out, out
+    done = [a for a in answers.values() if a[0] == 200 and a[1]["usage"]["completion_tokens"] == want]
+    print(f"\ndrain: {len(done)} of 3 requests in flight finished whole, {3 - len(done)} aborted; a new one: "
+          f"{late} in {late_took:.1f} s; the stop took {time.monotonic() - t0:.1f} s")
+    assert len(done) == 3, answers
+    assert late not in ("HTTP 200, finish_reason length", "HTTP 200, finish_reason stop") and late_took < 5, \
+        (late, late_took)  # not served: refused, or aborted by the engine at once
     deadline = time.monotonic() + 10
     while engine_processes(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -695,7 +726,8 @@ def test_stop_leaves_no_process_of_the_engine(served):
 
 
 def test_a_checkpoint_the_engine_refuses_ends_start_with_its_own_lines_and_nothing_running(served, tmp_path):
-    """After the stop above: a max length beyond the model's is refused by vLLM itself, not by the rig."""
+    """After the stop above: a max length beyond the model's is refused by the box check in a second (exit 2); past
+    it (--skip-box-check), by vLLM itself, whose own lines the start shows, with nothing left running."""
     import shutil
 
     dest, env, r, _, _ = served
@@ -707,7 +739,10 @@ def test_a_checkpoint_the_engine_refuses_ends_start_with_its_own_lines_and_nothi
     (short / "config.json").write_text(json.dumps(cfg))
     bad = {**env, "CKPT": str(short), "PORT": str(free_port()), "LOG": str(tmp_path / "refused.log")}
     s = subprocess.run([str(dest / "start.sh"), "--demo"], cwd=dest, env=bad, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=900)  # the box check names it first, in a second: exit 2
+    assert s.returncode == 2 and "max_position_embeddings 1,024" in s.stdout + s.stderr, s.stdout + s.stderr
+    s = subprocess.run([str(dest / "start.sh"), "--demo", "--skip-box-check"], cwd=dest, env=bad,
+                       capture_output=True, text=True, timeout=900)  # past the check: vLLM's own refusal
     assert s.returncode == 1, s.stdout + s.stderr
     assert "before it was healthy" in s.stderr and str(tmp_path / "refused.log") in s.stderr
     assert "max_model_len" in (s.stdout + s.stderr).lower().replace("-", "_")  # the engine's own words, shown

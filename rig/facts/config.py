@@ -11,6 +11,7 @@ Code reads values through :func:`settings`, :func:`serve_settings` and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -41,6 +42,7 @@ from rig.facts.varparse import (
     text,
     url,
     whole,
+    whole_or_derived,
     whole_or_off,
 )
 
@@ -182,6 +184,9 @@ VARS: tuple[Var, ...] = (
         service=True),
     Var("STOP_TIMEOUT", "20", "Seconds `nox -s stop` waits after SIGTERM before it sends SIGKILL.", whole,
         "stop_timeout", "serve", service=True),
+    Var("DRAIN_TIMEOUT", "`STOP_TIMEOUT` - 5", "Seconds a stop lets the requests in flight finish (vLLM's "
+        "`--shutdown-timeout`; new ones are refused meanwhile); below `STOP_TIMEOUT`. 0 aborts them at once.",
+        whole_or_derived, "drain_timeout", "serve", derived=True, service=True),
     Var("GPU_WAIT", "60", "Seconds `./start.sh` waits for its cards to be free (no other compute process, the last "
         "engine's memory released): the engine sizes its KV cache from the free memory. `0`: no wait (a shared "
         "box: `GPU_WAIT=0 ./start.sh --skip-box-check`).",
@@ -346,6 +351,7 @@ class Serve:
     start_timeout: int
     hang_window: int  # 0: no hang watchdog
     stop_timeout: int
+    drain_timeout: int  # derived from stop_timeout when unset (serve_settings)
     gpu_wait: int  # 0: no free-GPU gate
     nodes: int
     node_rank: int
@@ -357,12 +363,19 @@ class Serve:
     net_iface: str
 
 
+DRAIN_MARGIN = 5  # seconds of STOP_TIMEOUT left after the drain, for the engine to tear down
 SECRET_MIN = 32  # characters of NODES_SECRET: 128 bits as hex, at the least
 
 
 def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = None) -> Serve:
     """Read and check the serve variables."""
     v = _read(Serve, "serve", env, root)
+    if v.drain_timeout is None:
+        v = dataclasses.replace(v, drain_timeout=max(0, v.stop_timeout - DRAIN_MARGIN))
+    elif v.drain_timeout and v.drain_timeout >= v.stop_timeout:
+        raise BadInput(problem("DRAIN_TIMEOUT", f"below STOP_TIMEOUT ({v.stop_timeout} s: what is left then is "
+                               "killed)", str(v.drain_timeout), f"set DRAIN_TIMEOUT to at most "
+                               f"{max(0, v.stop_timeout - DRAIN_MARGIN)}, or raise STOP_TIMEOUT"))
     if v.max_batched_tokens < v.max_seqs:
         raise BadInput(problem("MAX_BATCHED_TOKENS", f">= MAX_SEQS ({v.max_seqs}): a prefill step must fit every "
                                "running request", str(v.max_batched_tokens), f"raise MAX_BATCHED_TOKENS to at least "

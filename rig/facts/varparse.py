@@ -85,6 +85,16 @@ def whole_or_off(v: Var, env: Mapping[str, str], root: Path) -> int:
     return int(raw)
 
 
+def whole_or_derived(v: Var, env: Mapping[str, str], root: Path) -> int | None:
+    """A whole number >= 0, or None when unset: the settings derive it (the table's default says from what)."""
+    raw = env.get(v.name, "").strip()
+    if not raw:
+        return None
+    if not digits(raw):
+        raise BadInput(problem(v.name, "a whole number >= 0", repr(raw), f"unset {v.name} ({v.default})"))
+    return int(raw)
+
+
 def index(v: Var, env: Mapping[str, str], root: Path) -> int:
     raw = _raw(v, env) or ""
     if not digits(raw):

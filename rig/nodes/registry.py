@@ -192,77 +192,80 @@ class Server(ThreadingHTTPServer):
         super().shutdown_request(request)
 
 
+class Handler(BaseHTTPRequestHandler):
+    """One call to the registry; ``reg`` and ``said`` are set by :func:`_handler` on a subclass."""
+
+    reg: Registry
+    said: Refusals
+    timeout = IO_TIMEOUT  # each read and write of the call (socketserver sets it on the socket)
+
+    def _send(self, code: int, data: dict) -> None:
+        raw = json.dumps(data).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _refuse(self, code: int, why: str) -> None:
+        self.said.note(self.client_address[0], f"refused {self.command} {_printable(self.path)} from "
+                                               f"{self.client_address[0]}: {why}")
+        self._send(code, {"error": f"refused: {why}"})
+
+    def _signed(self, raw: bytes) -> bool:
+        """Whether the call carries a good signature not seen before; else a 401 and a line naming the caller."""
+        sig = self.headers.get(client.SIGNATURE)
+        why = client.refusal(self.reg.secret, self.command, self.path, self.headers.get(client.STAMP), sig, raw)
+        if not why and not self.reg.once(sig or ""):
+            why = "a call made before (a replay: a signed call is good once)"
+        if why:
+            self._refuse(401, why)
+        return not why
+
+    def _body(self) -> bytes | None:
+        """The body, read only after the headers are checked: its declared length, at most BODY_MAX."""
+        stamp, sig = self.headers.get(client.STAMP), self.headers.get(client.SIGNATURE)
+        if not stamp or not sig:  # nothing is read for a call that cannot be good
+            self._refuse(401, "no signature (a node without NODES_SECRET, or not a node of this rig)")
+            return None
+        length = self.headers.get("Content-Length")
+        if length is None or not (length.isascii() and length.isdigit()):
+            self._refuse(400, f"Content-Length: expected a number of bytes, found {ascii(length)[:40]}")
+            return None
+        if int(length) > BODY_MAX:
+            self._refuse(413, f"a body of {length[:20]} bytes (at most {BODY_MAX})")
+            return None
+        try:
+            raw = self.rfile.read(int(length))
+        except OSError:  # a timeout among them
+            return None
+        return raw if len(raw) == int(length) else None
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self._signed(b""):
+            self._send(*((200, self.reg.state()) if self.path == "/state" else (404, {"error": self.path[:80]})))
+
+    def do_POST(self) -> None:  # noqa: N802
+        raw = self._body()
+        if raw is None or not self._signed(raw):
+            return
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            return self._send(400, {"error": "the body: expected JSON"})
+        route = {"/join": self.reg.join, "/beat": self.reg.beat, "/control": self.reg.control}.get(self.path)
+        if route is None:
+            return self._send(404, {"error": self.path[:80]})
+        self._send(*(route(body) if isinstance(body, dict) else (400, {"error": "the body: expected an object"})))
+
+    def log_message(self, *args: object) -> None:  # the registry's own log stays quiet
+        pass
+
+
 def _handler(reg: Registry, refusals: Refusals | None = None) -> type[BaseHTTPRequestHandler]:
-    said = refusals or Refusals()
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = IO_TIMEOUT  # each read and write of the call (socketserver sets it on the socket)
-
-        def _send(self, code: int, data: dict) -> None:
-            raw = json.dumps(data).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def _refuse(self, code: int, why: str) -> None:
-            said.note(self.client_address[0], f"refused {self.command} {_printable(self.path)} from "
-                                              f"{self.client_address[0]}: {why}")
-            self._send(code, {"error": f"refused: {why}"})
-
-        def _signed(self, raw: bytes) -> bool:
-            """Whether the call carries a good signature not seen before; else a 401 and a line naming the caller."""
-            sig = self.headers.get(client.SIGNATURE)
-            why = client.refusal(reg.secret, self.command, self.path, self.headers.get(client.STAMP), sig, raw)
-            if not why and not reg.once(sig or ""):
-                why = "a call made before (a replay: a signed call is good once)"
-            if why:
-                self._refuse(401, why)
-            return not why
-
-        def _body(self) -> bytes | None:
-            """The body, read only after the headers are checked: its declared length, at most BODY_MAX."""
-            stamp, sig = self.headers.get(client.STAMP), self.headers.get(client.SIGNATURE)
-            if not stamp or not sig:  # nothing is read for a call that cannot be good
-                self._refuse(401, "no signature (a node without NODES_SECRET, or not a node of this rig)")
-                return None
-            length = self.headers.get("Content-Length")
-            if length is None or not (length.isascii() and length.isdigit()):
-                self._refuse(400, f"Content-Length: expected a number of bytes, found {ascii(length)[:40]}")
-                return None
-            if int(length) > BODY_MAX:
-                self._refuse(413, f"a body of {length[:20]} bytes (at most {BODY_MAX})")
-                return None
-            try:
-                raw = self.rfile.read(int(length))
-            except OSError:  # a timeout among them
-                return None
-            return raw if len(raw) == int(length) else None
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if self._signed(b""):
-                self._send(*((200, reg.state()) if self.path == "/state" else (404, {"error": self.path[:80]})))
-
-        def do_POST(self) -> None:  # noqa: N802
-            raw = self._body()
-            if raw is None or not self._signed(raw):
-                return
-            try:
-                body = json.loads(raw or b"{}")
-            except ValueError:
-                return self._send(400, {"error": "the body: expected JSON"})
-            route = {"/join": reg.join, "/beat": reg.beat, "/control": reg.control}.get(self.path)
-            if route is None:
-                return self._send(404, {"error": self.path[:80]})
-            self._send(*(route(body) if isinstance(body, dict) else (400, {"error": "the body: expected an "
-                                                                                     "object"})))
-
-        def log_message(self, *args: object) -> None:  # the registry's own log stays quiet
-            pass
-
-    return Handler
+    """The handler class of one registry (http.server makes an instance per call)."""
+    return type("RegistryHandler", (Handler,), {"reg": reg, "said": refusals or Refusals()})
 
 
 LOG_MAX = 10 * 1024 * 1024  # bytes of registry.log before a head's start moves it to registry.log.1

@@ -134,6 +134,8 @@ def command(s: Settings, v: Serve, t: Topology, scales: Path | None, p: Profile,
             "--max-model-len", str(p.max_model_len),
             "--max-num-seqs", str(v.max_seqs),
             "--max-num-batched-tokens", str(v.max_batched_tokens)]
+    if v.drain_timeout:  # a stop lets the requests in flight finish (vLLM's drain; 0: its abort)
+        argv += ["--shutdown-timeout", str(v.drain_timeout)]
     if p.block_size == "max_batched_tokens":
         argv += ["--block-size", str(v.max_batched_tokens)]
     if p.speculative:

@@ -24,7 +24,7 @@ OWNERS = {
     "--pipeline-parallel-size": "the topology (CUDA_VISIBLE_DEVICES: the cards it is chosen from)",
     "--enable-expert-parallel": "the topology (expert parallelism on a MoE of more than one card)",
     "--nnodes": "NODES", "--node-rank": "NODE_RANK", "--master-addr": "HEAD_ADDR", "--master-port": "HEAD_PORT",
-    "--headless": "NODE_RANK", "--distributed-executor-backend": "DIST_BACKEND",
+    "--headless": "NODE_RANK", "--distributed-executor-backend": "DIST_BACKEND", "--shutdown-timeout": "DRAIN_TIMEOUT",
 }
 ALIASES = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size"}
 

@@ -36,6 +36,8 @@ from rig.running.health import ENGINE_RECORD
 #: An engine's own runtime folder is named by random bytes in hex, as many as rig/plan/engine.py leaves room for.
 OWN_BYTES = (OWN_FOLDER - 1) // 2
 OWN_NAME = re.compile(rf"[0-9a-f]{{{2 * OWN_BYTES}}}")
+#: Seconds after the drain's bound for the engine to end its processes before the rest of the group is signalled.
+DRAIN_TEARDOWN = 3.0
 
 
 @dataclass
@@ -209,15 +211,20 @@ def server_alive(rec: Record) -> bool:
             return abs(psutil.Process(rec.pid).create_time() - rec.create_time) < 1.0
         except psutil.NoSuchProcess:
             return False
+    return server_pid(rec) is not None
+
+
+def server_pid(rec: Record) -> int | None:
+    """The API server's pid among the group's members (``serve CKPT`` in its command line), or None."""
     for pid in group_members(rec.pgid):
         try:
             cmd = psutil.Process(pid).cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         # [python,] .../vllm serve CKPT ...: the log writer also names them, after its own arguments
-        if "serve" in cmd[:3] and rec.ckpt in cmd[cmd.index("serve"):]:
-            return True
-    return False
+        if "serve" in cmd[:3] and rec.ckpt and rec.ckpt in cmd[cmd.index("serve"):]:
+            return pid
+    return None
 
 
 def leftovers(rec: Record) -> str:
@@ -300,9 +307,11 @@ def stop(s: Settings, v: Serve) -> int:
     rec.stopping = os.getpid()
     save(s, rec)  # a foreground supervisor reads it: a stop, not a crash (exit 0, no restart)
     members = group_members(rec.pgid)
-    say(f"stopping the engine: pid {rec.pid}, {len(members)} process(es) in its group; SIGTERM, then SIGKILL "
-        f"after {v.stop_timeout} s")
-    killed = terminate(rec.pgid, v.stop_timeout)
+    say(f"stopping the engine: pid {rec.pid}, {len(members)} process(es) in its group; "
+        + (f"its API server first, letting the requests in flight finish (up to DRAIN_TIMEOUT={v.drain_timeout} s), "
+           "then " if v.drain_timeout else "") + f"SIGTERM, then SIGKILL after {v.stop_timeout} s")
+    drained = drain(rec, v.drain_timeout) if v.drain_timeout else 0.0
+    killed = terminate(rec.pgid, max(1.0, v.stop_timeout - drained))
     left = group_members(rec.pgid)
     if left:
         raise WorkFailed(problem(f"processes {', '.join(map(str, left))} of the engine", "none left after SIGKILL",
@@ -317,6 +326,27 @@ def stop(s: Settings, v: Serve) -> int:
     how = f"SIGKILL needed for {len(killed)} process(es) that ignored SIGTERM" if killed else "clean SIGTERM"
     say(f"stopped in {time.monotonic() - t0:.1f} s ({how}); no process of it is left")
     return 0
+
+
+def drain(rec: Record, timeout: int) -> float:
+    """SIGTERM to the API server alone: with ``--shutdown-timeout`` it refuses new requests, lets those in flight
+    finish for up to ``timeout`` seconds, and ends its engine. The seconds it took until the group was gone (or
+    the bound, when it was not: :func:`terminate` then ends the rest). A signal to the whole group at once would
+    end the engine's workers under the requests instead."""
+    t0 = time.monotonic()
+    server = server_pid(rec)
+    if server is None:  # gone already, or an older rig's record: the group's SIGTERM ends what is left
+        return 0.0
+    try:
+        os.kill(server, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return 0.0
+    end = t0 + timeout + DRAIN_TEARDOWN
+    while (members := group_members(rec.pgid)) and time.monotonic() < end:
+        if server not in members:  # the server has drained and ended: the rest of its engine gets a moment more
+            end = min(end, time.monotonic() + DRAIN_TEARDOWN)
+        time.sleep(0.1)
+    return time.monotonic() - t0
 
 
 def terminate(pgid: int, timeout: float, extra: Callable[[], list[int]] | None = None) -> list[int]:
