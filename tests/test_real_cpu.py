@@ -45,6 +45,26 @@ def test_rerun_and_switching_back_run_no_step(cpu_build):
         assert "runs:" not in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("field", ["torch", "python", "tree"])
+def test_a_pack_whose_manifest_names_another_build_is_made_again(cpu_build, field):
+    """A pack was current when its kernels' key matched, whatever else its manifest recorded: built again with
+    TORCH=host after the lock's torch, `nox -s pack -- --offline` refused the pack ("run ./build.sh first") and
+    ./build.sh called it current. Every recorded field counts: the fix the refusal names, ./build.sh, packs again."""
+    dest, _, cpu_env = cpu_build
+    manifest = dest / "artifacts-cpu" / "manifest.toml"
+    text = manifest.read_text()
+    stale = re.sub(rf'^{field} = ".*"$', f'{field} = "another build"', text, count=1, flags=re.M)
+    assert stale != text, text
+    manifest.write_text(stale)
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=cpu_env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"the manifest is for {field} 'another build'" in r.stdout, r.stdout[-3000:]
+    assert manifest.read_text().count("another build") == 0
+    again = subprocess.run([str(dest / "build.sh")], cwd=dest, env=cpu_env, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0 and "runs:" not in again.stdout, again.stdout[-3000:]
+
+
 def test_cpu_tarball_carries_the_device_and_a_cuda_target_refuses_it(cpu_build, tmp_path):
     dest, _, cpu_env = cpu_build
     manifest = (dest / "artifacts-cpu" / "manifest.toml").read_text()

@@ -54,7 +54,9 @@ class PackStep(Step):
         facts = manifest_facts(s, ctx.record)
         sums = (s.vllm_dir / products.SUMS).read_text()
         done = ctx.record.pack
-        why = artifacts.current(s.artifacts_dir, {k: facts[k] for k in ("ops_obj", "route", "arch")}, sums,
+        # every fact the manifest records, not the kernels' key alone: a build again with another torch (TORCH=host
+        # after the lock's) keeps its kernels' files, and a pack naming the old torch would refuse an offline bundle
+        why = artifacts.current(s.artifacts_dir, facts, sums,
                                 rehash=ctx.options.verify,
                                 packed=(done.sha256, done.size, done.mtime_ns) if done and done.sha256 else None)
         if why:
