@@ -50,7 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key")
     for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len", "--max-num-seqs",
-                 "--max-num-batched-tokens", "--block-size"):
+                 "--max-num-batched-tokens", "--block-size", "--shutdown-timeout"):
         s.add_argument(flag, type=int)
     for flag in ("--kv-cache-dtype", "--speculative-config", "--compilation-config", "--gdn-prefill-backend"):
         s.add_argument(flag)
