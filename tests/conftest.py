@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -151,6 +152,13 @@ class Result:
             if line.startswith(f"{key}: "):
                 return line.split(": ", 1)[1]
         raise AssertionError(f"no '{key}:' line in:\n{self.text}")
+
+
+def free_port() -> int:
+    """A port nothing listens on now, on the loopback (the engines, registries and servers the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_rig(env: dict[str, str], *args: str, timeout: float = 600) -> Result:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 from rig import cli
 from rig.base.errors import BadInput
@@ -37,12 +37,6 @@ PACE = 100.0  # tokens/s per request of the double
 PREFILL = 5000.0  # prompt tokens/s per request of the double
 SPEC = ["256", "16", "1 2", "0", "--skip-coherence", "--runs", "1"]
 OURS = ("BASE_URL", "MODEL", "TOKENIZER", "VLLM_API_KEY", "MODEL_NAME", "PORT", "HOST", "CKPT", "RIG_CACHE")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Double:

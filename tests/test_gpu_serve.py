@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,12 +38,6 @@ CHAT = {"model": "demo", "messages": [{"role": "user", "content": "tell me about
         "temperature": 0}
 PROMPT = {"model": "demo", "prompt": "the river runs to the sea and the", "max_tokens": 24, "temperature": 0}
 OUT_OF_VOCAB = {"model": "demo", "prompt": [1, 2, 999999], "max_tokens": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(env: dict, route: str, body: dict, timeout: float = 120) -> tuple[int, str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import free_port
 
 from rig.facts import config
 from rig.nodes import client
@@ -19,12 +20,6 @@ from rig.nodes import registry as nodes_registry
 
 SECRET = "r" * 64
 HEAD = {"tree": "t" * 40, "ops_obj": "o" * 64, "device": "cpu", "cards": 1, "config": "c" * 64}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, run_rig
+from conftest import ROOT, free_port, run_rig
 
 from rig.base.errors import BadInput, Busy
 from rig.control import start as starting
@@ -31,12 +31,6 @@ from rig.running import enginerec, supervise
 from rig.running import health as health_mod
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import engine_like
+from conftest import engine_like, free_port
 
 from rig.build import demo
 from rig.plan.engine import SERIES_VARS
@@ -59,12 +58,6 @@ def completion(env: dict, body: dict, key: str | None = KEY) -> tuple[int, str]:
 
 
 OUT_OF_VOCAB = {"model": "demo", "prompt": [1, 2, 999999], "max_tokens": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nox(dest: Path, env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
