@@ -31,6 +31,7 @@ from pathlib import Path
 from rig.base.console import say, stamped
 from rig.base.errors import BadInput, WorkFailed, problem
 from rig.facts.config import Serve, Settings
+from rig.facts.varparse import digits
 from rig.nodes import client
 from rig.nodes.client import Role, call
 
@@ -162,33 +163,24 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         super().__init__(addr, handler)
-        self.open: Counter[str] = Counter()
-        self.held: set[int] = set()
+        self.open: Counter[str] = Counter()  # connections held, by the caller's address
+        self.held: dict[int, str] = {}  # each connection let in (its socket's id), and its address
         self.count_lock = threading.Lock()
 
     def verify_request(self, request, client_address) -> bool:  # noqa: ANN001 - socketserver's signature
         addr = client_address[0]
         with self.count_lock:
-            if sum(self.open.values()) >= CONN_MAX or self.open[addr] >= CONN_PER_ADDR:
+            if len(self.held) >= CONN_MAX or self.open[addr] >= CONN_PER_ADDR:
                 return False
             self.open[addr] += 1
-            self.held.add(id(request))
+            self.held[id(request)] = addr
         return True
 
     def shutdown_request(self, request) -> None:  # noqa: ANN001
         with self.count_lock:
-            if id(request) in self.held:
-                self.held.discard(id(request))
-                try:
-                    addr = request.getpeername()[0]
-                except OSError:
-                    addr = None
-                if addr is not None and self.open[addr] > 0:
-                    self.open[addr] -= 1
-                elif addr is None:  # the peer is gone: take one from the fullest, the counts stay a bound
-                    fullest = max(self.open, key=self.open.get, default=None)
-                    if fullest is not None and self.open[fullest] > 0:
-                        self.open[fullest] -= 1
+            addr = self.held.pop(id(request), None)  # None: turned away at the door, never counted
+            if addr is not None:
+                self.open[addr] -= 1
         super().shutdown_request(request)
 
 
@@ -230,7 +222,7 @@ class Handler(BaseHTTPRequestHandler):
             self._refuse(401, "no signature (a node without NODES_SECRET, or not a node of this rig)")
             return None
         length = self.headers.get("Content-Length")
-        if length is None or not (length.isascii() and length.isdigit()):
+        if length is None or not digits(length):
             self._refuse(400, f"Content-Length: expected a number of bytes, found {ascii(length)[:40]}")
             return None
         if int(length) > BODY_MAX:
