@@ -8,7 +8,9 @@ generated token ids of each prompt and the top logprobs of each step. With ``PRO
 ``.safetensors`` vector (or one per layer), it also writes, after each decoder layer, the largest
 |stream . r| / |stream| over the prompts' tokens, where stream is what the layer hands on to the residual stream.
 With ``PROBE_PLE_ROWS`` (token ids, comma-separated) on a Gemma 3n model, it also writes the per-layer-embedding
-rows the model looks up for them, unscaled (to compare with the checkpoint's table).
+rows the model looks up for them, unscaled (to compare with the checkpoint's table). With ``PROBE_FIRST``, the
+engine's first step is a prompt of one token (its greedy tokens are written as ``first``): on a CPU with AMX tiles,
+upstream's worker died on such a step (SIGILL; patch 0008).
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def main() -> None:
                 layer.register_forward_hook(measure(i))
 
         llm.apply_model(hook)
+    first = None
+    if os.environ.get("PROBE_FIRST"):
+        from vllm.inputs import TokensPrompt
+
+        (one,) = llm.generate([TokensPrompt(prompt_token_ids=[100])], SamplingParams(temperature=0.0, max_tokens=2,
+                                                                                     ignore_eos=True))
+        first = list(one.outputs[0].token_ids)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                   logprobs=LOGPROBS))
     import vllm
@@ -65,6 +74,8 @@ def main() -> None:
     result = {"vllm": os.path.dirname(vllm.__file__), "tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
                            for o in outs]}
+    if first is not None:
+        result["first"] = first
     if direction:
         (probe,) = llm.apply_model(lambda model: dict(model.probe))
         result["component"] = [probe[i] for i in sorted(probe)]

