@@ -21,6 +21,9 @@ Each figure is a ratio against a baseline of the same run:
 (d) with a ``[speculative]`` profile: decode with it against the same checkpoint without it (a third engine, the
     profile with ``speculative = {}``), interleaved the same way, and the drafts' acceptance from the log.
 (e) the card memory of the rig's engine (NVML, its processes) against the KV cache it reports.
+
+--decode-only: (c), (d) and (e) alone (no cold, warm and bare starts of (a) and (b)); (e) is then read on the
+rig's engine of (c), which holds its share of the card.
 """
 
 from __future__ import annotations
@@ -178,33 +181,28 @@ def memory(env: dict, log: Path) -> tuple[float, float, int]:
     return mine, float(kv[-1]) if kv else 0.0, int(tokens[-1].replace(",", "")) if tokens else 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="demo-gpu", help="the profile to serve (default demo-gpu)")
-    ap.add_argument("--build", action="store_true", help="time ./build.sh on this checkout first (figure 0)")
-    ap.add_argument("--pairs", type=int, default=8, help="interleaved pairs of decode rounds (default 8)")
-    ap.add_argument("--tokens", type=int, default=512, help="tokens a request in the decode rounds (default 512)")
-    ap.add_argument("--quick", action="store_true", help="2 pairs of 128 tokens")
-    ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
-    a = ap.parse_args()
-    pairs, tokens = (2, 128) if a.quick else (a.pairs, a.tokens)
-    work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))
-    log = work / "run.log"
-    p = profiles.load(a.profile)
-    env = {**os.environ, "PROFILE": a.profile, "DEVICE": "cuda", "CACHE_ROOT": str(work / "cache"),
-           "LOG": str(work / "vllm.log"), "PORT": str(free_port()), "VLLM_API_KEY": "",
-           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
-    figures: dict[str, float] = {}
-    lines = [f"profile {a.profile}; {pairs} pairs of rounds, {tokens} tokens a request"]
-    if a.build and (ROOT / "vllm").exists():  # a second build here is the no-op, not the figure (0) stands for
-        lines.append(f"(0) not measured: {ROOT} is built already; --build times the first build of a fresh checkout")
-    elif a.build:
-        first = timed_run([str(ROOT / "build.sh")], env, log)
-        again = timed_run([str(ROOT / "build.sh")], env, log)
-        figures.update(build_s=first, noop_build_s=again)
-        lines.append(f"(0) ./build.sh on a fresh checkout{' from the offline bundle' if env.get('OFFLINE') else ''}: "
-                     f"{first:.1f} s; the no-op build after it {again:.2f} s ({first / again:.0f}x)")
-    card_free()
+class Said(list):
+    """The figures' lines, each printed as it is added: a run cut off (a device's time limit) keeps what it got."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.extend(lines)
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+    def extend(self, lines) -> None:  # noqa: ANN001 - an iterable of str
+        for line in lines:
+            self.append(line)
+
+    def __iadd__(self, lines):  # noqa: ANN001, ANN204 - list's own signature
+        self.extend(lines)
+        return self
+
+
+def starts(env: dict, log: Path, work: Path, figures: dict, lines: list[str]) -> None:
+    """(a), (b) and (e): the rig's cold and warm starts and a bare one, one at a time on the whole card."""
     cold = rig_start(env, log)
     used, kv_gib, kv_tokens = memory(env, Path(env["LOG"]))
     rig_stop(env, log)
@@ -218,8 +216,44 @@ def main() -> int:
     lines += [f"(a) start to healthy, warm cache: ./start.sh {warm:.1f} s, bare vllm serve {bare.took:.1f} s: "
               f"{warm / bare.took:.2f}x (target <= 1.05x)",
               f"(b) ./start.sh warm {warm:.1f} s against cold {cold:.1f} s: {warm / cold:.2f}x (target <= 0.6x)",
-              f"(e) the engine holds {used} MiB of the card (NVML); its KV cache {kv_gib:.2f} GiB "
-              f"({kv_gib * 1024 / used:.2f}x of it), {kv_tokens:,} tokens"]
+              memory_line(used, kv_gib, kv_tokens, "the whole card")]
+
+
+def memory_line(used: float, kv_gib: float, kv_tokens: int, share: str) -> str:
+    return (f"(e) the engine ({share}) holds {used} MiB of the card (NVML); its KV cache {kv_gib:.2f} GiB "
+            f"({kv_gib * 1024 / used:.2f}x of it), {kv_tokens:,} tokens")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="demo-gpu", help="the profile to serve (default demo-gpu)")
+    ap.add_argument("--build", action="store_true", help="time ./build.sh on this checkout first (figure 0)")
+    ap.add_argument("--pairs", type=int, default=8, help="interleaved pairs of decode rounds (default 8)")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens a request in the decode rounds (default 512)")
+    ap.add_argument("--quick", action="store_true", help="2 pairs of 128 tokens")
+    ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    ap.add_argument("--decode-only", action="store_true", help="(c), (d) and (e) alone: no start figures")
+    a = ap.parse_args()
+    pairs, tokens = (2, 128) if a.quick else (a.pairs, a.tokens)
+    work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))
+    log = work / "run.log"
+    p = profiles.load(a.profile)
+    env = {**os.environ, "PROFILE": a.profile, "DEVICE": "cuda", "CACHE_ROOT": str(work / "cache"),
+           "LOG": str(work / "vllm.log"), "PORT": str(free_port()), "VLLM_API_KEY": "",
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    figures: dict[str, float] = {}
+    lines = Said([f"profile {a.profile}; {pairs} pairs of rounds, {tokens} tokens a request"])
+    if a.build and (ROOT / "vllm").exists():  # a second build here is the no-op, not the figure (0) stands for
+        lines.append(f"(0) not measured: {ROOT} is built already; --build times the first build of a fresh checkout")
+    elif a.build:
+        first = timed_run([str(ROOT / "build.sh")], env, log)
+        again = timed_run([str(ROOT / "build.sh")], env, log)
+        figures.update(build_s=first, noop_build_s=again)
+        lines.append(f"(0) ./build.sh on a fresh checkout{' from the offline bundle' if env.get('OFFLINE') else ''}: "
+                     f"{first:.1f} s; the no-op build after it {again:.2f} s ({first / again:.0f}x)")
+    card_free()
+    if not a.decode_only:
+        starts(env, log, work, figures, lines)
     made = [variant(a.profile, f"bench-{a.profile}", f"memory_utilization = {SHARE}\n")]
     if p.speculative:
         made.append(variant(a.profile, f"bench-{a.profile}-nospec",
@@ -227,7 +261,11 @@ def main() -> int:
     engines: list[Bare] = []
     shared = {**env, "PROFILE": made[0], "GPU_WAIT": "0", "LOG": str(work / "shared.log")}
     try:
-        rig_start(shared, log)
+        t_shared = rig_start(shared, log)
+        if a.decode_only:
+            used, kv_gib, kv_tokens = memory(shared, Path(shared["LOG"]))
+            figures.update(engine_mib=used, kv_gib=kv_gib, kv_tokens=kv_tokens, rig_first_start_s=t_shared)
+            lines.append(memory_line(used, kv_gib, kv_tokens, f"memory_utilization {SHARE}"))
         engines.append(Bare(shared, work / "bare.log", work / "bare-b"))
         model = p.served_name
         for c in (1, 4):
@@ -251,8 +289,6 @@ def main() -> int:
         rig_stop(shared, log, wait_free=False)
         for name in made:
             (profiles.MODELS_DIR / f"{name}.toml").unlink(missing_ok=True)
-    for line in lines:
-        print(line)
     if a.out:
         a.out.write_text(json.dumps(figures, indent=1) + "\n")
     return 0
