@@ -20,6 +20,8 @@ beside it and renamed when complete. Nothing is downloaded. Made twice, its file
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 from rig.base import prose
+from rig.base.console import say
 from rig.base.errors import WorkFailed, problem
 from rig.build import refshape
 
@@ -140,11 +143,30 @@ def ensure(python: Path, folder: Path, root: Path, kind: str = "qwen3") -> tuple
     (made, seconds).
 
     Made in a sibling folder and renamed, so a kill leaves nothing a later run trusts; leftovers of a killed
-    run are removed first.
+    run are removed first. One maker at a time (a lock beside the folder): two rigs sharing RIG_CACHE, or two
+    starts at once, must not remove each other's half-made folder or the complete one an engine already loads.
     """
     if ready(folder, kind):
         return False, 0.0
     folder.parent.mkdir(parents=True, exist_ok=True)
+    with _maker_lock(folder):
+        if ready(folder, kind):  # made by the maker this one waited for
+            return False, 0.0
+        return _make(python, folder, root, kind)
+
+
+@contextlib.contextmanager
+def _maker_lock(folder: Path):  # noqa: ANN202 - a context manager
+    with open(folder.parent / f".{folder.name}.lock", "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another maker of {folder}", err=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _make(python: Path, folder: Path, root: Path, kind: str) -> tuple[bool, float]:
     for stale in folder.parent.glob(f".{folder.name}.making-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = folder.parent / f".{folder.name}.making-{os.getpid()}"
