@@ -205,3 +205,19 @@ def test_following_the_fix_of_a_bad_base_clears_it(tmp_path):
         profiles.load("a", folder)
     (folder / "a.toml").write_text('base = "top"\n')  # "set base to one of them"
     assert profiles.load("a", folder).served_name == "m"
+
+
+def test_a_variant_that_keeps_its_bases_made_checkpoint_is_made_too(tmp_path):
+    """./start.sh makes the checkpoint of the profiles rig/build/demo.py knows, and of a variant of one that keeps
+    its checkpoint (benchmarks/gpu_figures.py serves such variants); a variant that names its own is not made."""
+    from rig.control.start import made_kind
+
+    for f in profiles.MODELS_DIR.glob("*.toml"):
+        (tmp_path / f.name).write_text(f.read_text())
+    (tmp_path / "share.toml").write_text('base = "reference-tiny"\nmemory_utilization = 0.28\n')
+    (tmp_path / "share-of-share.toml").write_text('base = "share"\nspeculative = {}\n')
+    (tmp_path / "own.toml").write_text('base = "reference-tiny"\ncheckpoint = "/models/own"\n')
+    kinds = {n: made_kind(profiles.load(n, tmp_path)) for n in ("reference-tiny", "share", "share-of-share", "own",
+                                                                  "reference", "demo")}
+    assert kinds == {"reference-tiny": "qwen3next", "share": "qwen3next", "share-of-share": "qwen3next", "own": "",
+                     "reference": "", "demo": "qwen3"}

@@ -21,7 +21,7 @@ from rig.build import demo
 from rig.build.buildlock import BuildLock
 from rig.build.steps import pipeline
 from rig.build.steps.order import steps
-from rig.facts import config, slots
+from rig.facts import config, profiles, slots
 from rig.facts.config import Serve, Settings
 from rig.nodes import part
 from rig.plan import box, engine, serve
@@ -43,8 +43,8 @@ def run(s: Settings, env: Mapping[str, str], *, foreground: bool, dry_run: bool,
         return 0
     if build:
         _build_if_needed(s, dry_run)
-    if p.name in demo.MADE:
-        _demo_model(s, env, demo.MADE[p.name], dry_run)
+    if kind := made_kind(p):
+        _demo_model(s, env, kind, dry_run)
     report = serve.check_box(s, v, p, box_check)
     serve.show_box(report, dry_run)
     if report.refusal and not dry_run:
@@ -141,6 +141,18 @@ def demo_env(env: Mapping[str, str]) -> dict[str, str]:
             "demo: serving with the CPU build (DEVICE=cpu; ./build.sh makes it when needed)")
     env["PROFILE"] = demo.PROFILES.get(env["DEVICE"].strip(), "demo")  # a bad DEVICE: its own error, later
     return env
+
+
+def made_kind(p: profiles.Profile) -> str:
+    """The kind of checkpoint the rig makes for ``p`` (rig/build/demo.py), or '': its own profile's, or that of the
+    profile it inherits from when it keeps that profile's checkpoint (a variant for a benchmark, say)."""
+    seen = p
+    while True:
+        if seen.name in demo.MADE:
+            return demo.MADE[seen.name] if seen.checkpoint == p.checkpoint else ""
+        if not seen.base:
+            return ""
+        seen = profiles.load(seen.base, seen.path.parent)
 
 
 def _demo_model(s: Settings, env: Mapping[str, str], kind: str, dry_run: bool) -> None:
