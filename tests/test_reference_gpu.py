@@ -35,9 +35,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "tell me about 
         "temperature": 0}
 OUT_OF_VOCAB = {"model": MODEL, "prompt": [1, 2, 999999], "max_tokens": 4}
 #: The greedy answer through the rig, kept for the tests that start other engines (also in a later pytest run).
-SEEN = Path(os.environ.get("REFERENCE_GREEDY", "/tmp/reference-greedy.json"))
-
-
 def start(env: dict, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
     return subprocess.run([str(ROOT / "start.sh"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -130,19 +127,26 @@ def test_guard_raise_answers_400_and_the_counters_show_it(served):
     assert re.search(r"guard [1-9]\d*/\d+/\d+", shown.stdout), shown.stdout[-2000:]
 
 
-def test_the_greedy_answer_through_the_rig(served):
+@pytest.fixture(scope="module")
+def plain(served) -> list[tuple[str, float]]:
+    """The greedy answer of the plain profile through the rig; its engine is stopped after it, so a test that
+    starts its own (alone with -k, or after the tests of the served engine) finds the card free and no engine of
+    this state running."""
     env, r = served
     assert r.returncode == 0
     got = greedy(env)
-    assert got and all(x == x for _, x in got)  # finite logprobs
-    SEEN.write_text(json.dumps(got))
-    print(f"\ngreedy through the rig: {[t for t, _ in got]}")
     assert nox(env, "-s", "stop").returncode == 0
     assert not wait_card_free()
+    return got
 
 
-def test_a_bare_vllm_serve_of_the_same_plan_gives_the_same_tokens_and_logprobs(base, tmp_path):
-    rig = [tuple(x) for x in json.loads(SEEN.read_text())]  # the test above's
+def test_the_greedy_answer_through_the_rig(plain):
+    assert plain and all(x == x for _, x in plain)  # finite logprobs
+    print(f"\ngreedy through the rig: {[t for t, _ in plain]}")
+
+
+def test_a_bare_vllm_serve_of_the_same_plan_gives_the_same_tokens_and_logprobs(base, plain, tmp_path):
+    rig = plain
     env = {**base, "RIG_STATE": str(tmp_path / "state"), "PORT": str(free_port()), "GUARD": "raise", "COUNTERS": "1"}
     s = slots.settings(env)
     v, p = serve.inputs(s, env)
@@ -167,7 +171,7 @@ def test_a_bare_vllm_serve_of_the_same_plan_gives_the_same_tokens_and_logprobs(b
     assert not wait_card_free()
 
 
-def test_scales_that_saturate_change_the_greedy_tokens(base, tmp_path):
+def test_scales_that_saturate_change_the_greedy_tokens(base, plain, tmp_path):
     sidecar = tmp_path / "saturating.json"
     sidecar.write_text(json.dumps({"layers": [{"k_scale": 0.0005, "v_scale": 0.0005}] * 8}))
     env = {**base, "SCALES": str(sidecar), "LOG": str(tmp_path / "scales.log"), "PORT": str(free_port())}
@@ -179,11 +183,11 @@ def test_scales_that_saturate_change_the_greedy_tokens(base, tmp_path):
     finally:
         nox(env, "-s", "stop")
     print(f"\ngreedy with saturating scales: {[t for t, _ in got]}")
-    assert [t for t, _ in got] != [t for t, _ in json.loads(SEEN.read_text())]
+    assert [t for t, _ in got] != [t for t, _ in plain]
     assert not wait_card_free()
 
 
-def test_an_abliteration_direction_changes_the_greedy_tokens(base, tmp_path):
+def test_an_abliteration_direction_changes_the_greedy_tokens(base, plain, tmp_path):
     """A direction set of this model's hidden size (128), for every layer: patch 0005 orthogonalises it out."""
     import random
 
@@ -200,4 +204,4 @@ def test_an_abliteration_direction_changes_the_greedy_tokens(base, tmp_path):
     finally:
         nox(env, "-s", "stop")
     print(f"\ngreedy with the direction abliterated: {[t for t, _ in got]}")
-    assert [t for t, _ in got] != [t for t, _ in json.loads(SEEN.read_text())]
+    assert [t for t, _ in got] != [t for t, _ in plain]
