@@ -144,10 +144,10 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (pytest; extra arguments go to pytest)."""
+    """Run the test suite: two lanes of pytest at once, or one pytest with the extra arguments."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "rig.base.testdeps")
-    session.run("python", "-m", "pytest", "--durations=25", *session.posargs)
+    session.run("python", "-m", "rig.base.testlanes", *session.posargs)  # no arguments: two lanes at once
 
 
 @nox.session

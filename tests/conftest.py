@@ -310,16 +310,32 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [i for i in items if id(i) not in last] + [i for i in items if id(i) in last]
 
 
-def engine_like(match) -> list[psutil.Process]:  # noqa: ANN001 - (process, its command line) -> bool
-    """Live processes (zombies aside) that ``match`` accepts, or named like vLLM's engine core and workers."""
+def engine_like(match, *roots: Path) -> list[psutil.Process]:  # noqa: ANN001 - (process, its command line) -> bool
+    """Live processes (zombies aside) that ``match`` accepts, or named like vLLM's engine core and workers and
+    working in one of ``roots`` (the rig starts its engine in its checkout): the engines of another copy, those of
+    the suite's other lane (rig/base/testlanes.py), are not these."""
     out = []
     for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
         try:
             if p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             cmd = " ".join(p.info["cmdline"] or [])
-            if match(p, cmd) or "VLLM::" in (p.info["name"] or "") or "VLLM::" in cmd:
+            if match(p, cmd) or ("VLLM::" in (p.info["name"] or "") or "VLLM::" in cmd) and works_in(p, roots):
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
+
+
+def works_in(p: psutil.Process, roots: tuple[Path, ...]) -> bool:
+    """Whether ``p``'s working folder is one of ``roots`` or below one."""
+    try:
+        cwd = Path(p.cwd())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return any(cwd == r or r in cwd.parents for r in roots)
+
+
+def vllm_named(*roots: Path) -> list[str]:
+    """The live processes named like vLLM's engine core and workers that work in one of ``roots``."""
+    return [f"{p.pid} {p.info['name']}" for p in engine_like(lambda p, cmd: False, *roots)]

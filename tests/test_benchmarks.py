@@ -150,9 +150,10 @@ def test_every_benchmark_imports_and_has_a_quick_mode(name):
 
 
 def leftover_engines(rig: Path) -> list[str]:
-    """Processes of an engine served from ``rig``'s venvs (or named like vLLM's engine core), zombies aside."""
+    """Processes of an engine served from ``rig``'s venvs (or named like vLLM's engine core and working in ``rig``
+    or this checkout, where the scripts start their bare engines), zombies aside."""
     return [f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}"
-            for p in engine_like(lambda p, cmd: str(rig / ".venv") in cmd)]
+            for p in engine_like(lambda p, cmd: str(rig / ".venv") in cmd, rig, ROOT)]
 
 
 @pytest.fixture(scope="session")

@@ -162,6 +162,6 @@ def test_kill_9_of_the_child_stops_the_engine_with_its_line_and_stop_leaves_noth
     assert not [p for p in in_group(pgid) if "serve" in " ".join(p.info["cmdline"] or [])], "the engine did not stop"
     s = nox(dest, env, "-s", "stop")
     assert s.returncode == 0, s.stdout + s.stderr
-    assert not in_group(pgid) and not engine_like(lambda p, cmd: os_pgid(p.pid) == pgid)
-    assert not [p for p in engine_like(lambda p, cmd: False) if CHILD in (p.info["name"] or "")]
+    assert not in_group(pgid) and not engine_like(lambda p, cmd: os_pgid(p.pid) == pgid, dest)
+    assert not [p for p in engine_like(lambda p, cmd: False, dest) if CHILD in (p.info["name"] or "")]
     assert not (Path(env["RIG_STATE"]) / "run").exists()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import engine_like, free_port
+from conftest import engine_like, free_port, vllm_named
 
 from rig.build import demo
 from rig.plan.engine import SERIES_VARS
@@ -65,9 +65,10 @@ def nox(dest: Path, env: dict, *args: str, timeout: float = 600) -> subprocess.C
                           text=True, timeout=timeout)
 
 
-def engine_processes(pgid: int) -> list[psutil.Process]:
-    """Every process of the engine: in its process group, or named like vLLM's engine and workers."""
-    return engine_like(lambda p, cmd: os_pgid(p.pid) == pgid)
+def engine_processes(pgid: int, dest: Path) -> list[psutil.Process]:
+    """Every process of the engine: in its process group, or named like vLLM's engine and workers and working in
+    the copy ``dest``."""
+    return engine_like(lambda p, cmd: os_pgid(p.pid) == pgid, dest)
 
 
 def os_pgid(pid: int) -> int:
@@ -687,7 +688,7 @@ def test_stop_leaves_no_process_of_the_engine(served):
     dest, env, r, _, state = served
     assert r.returncode == 0
     pgid = state["pgid"]
-    assert engine_processes(pgid), "the engine runs before the stop"
+    assert engine_processes(pgid, dest), "the engine runs before the stop"
     # vLLM's IPC sockets live in the engine's own runtime folder under the rig's state, not in /tmp
     run, own = dest / ".rig" / "run", Path(state["runtime"])
     assert own.parent == run.resolve() and stat.S_IMODE(own.stat().st_mode) == 0o700, own
@@ -728,9 +729,9 @@ def test_stop_leaves_no_process_of_the_engine(served):
     assert late not in ("HTTP 200, finish_reason length", "HTTP 200, finish_reason stop") and late_took < 5, \
         (late, late_took)  # not served: refused, or aborted by the engine at once
     deadline = time.monotonic() + 10
-    while engine_processes(pgid) and time.monotonic() < deadline:
+    while engine_processes(pgid, dest) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not engine_processes(pgid), [p.info for p in engine_processes(pgid)]
+    assert not engine_processes(pgid, dest), [p.info for p in engine_processes(pgid, dest)]
     assert not run.exists(), sorted(p.name for p in run.iterdir())  # removed with the engine
 
 
@@ -756,7 +757,7 @@ def test_a_checkpoint_the_engine_refuses_ends_start_with_its_own_lines_and_nothi
     assert "before it was healthy" in s.stderr and str(tmp_path / "refused.log") in s.stderr
     assert "max_model_len" in (s.stdout + s.stderr).lower().replace("-", "_")  # the engine's own words, shown
     assert not (dest / ".rig" / "engine.toml").exists()
-    assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
+    assert not vllm_named(dest)
 
 
 def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_ends_it(served):
@@ -780,7 +781,7 @@ def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_end
     server.send_signal(signal.SIGKILL)
     server.wait(30)
     time.sleep(2)
-    left = engine_processes(rec["pgid"])
+    left = engine_processes(rec["pgid"], dest)
     assert any("VLLM::" in (p.info["name"] or "") for p in left), [p.info for p in left]  # what vLLM leaves
     st = nox(dest, env, "-s", "status")
     assert st.returncode == 1 and "is gone, but processes of its group are left" in st.stdout, st.stdout + st.stderr
@@ -788,9 +789,9 @@ def test_a_killed_api_server_leaves_engine_core_behind_and_the_rig_finds_and_end
     sp = nox(dest, env, "-s", "stop")
     assert sp.returncode == 0 and "no process of it is left" in sp.stdout, sp.stdout + sp.stderr
     deadline = time.monotonic() + 10
-    while engine_processes(rec["pgid"]) and time.monotonic() < deadline:
+    while engine_processes(rec["pgid"], dest) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not engine_processes(rec["pgid"])
+    assert not engine_processes(rec["pgid"], dest)
     assert not (dest / ".rig" / "run").exists()  # the runtime folder of the engine that was found dead, too
 
 
@@ -832,7 +833,7 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     assert f"SCALES: k/v scales of 2 layers loaded from {scales}" in text, text[-3000:]
     assert (f"QWEN38_ABLITERATION: direction set per-layer (one per layer, 2) from {sets}/per-layer.safetensors: "
             "5 matrices orthogonalised") in text, text[-3000:]
-    assert engine_processes(rec["pgid"])
+    assert engine_processes(rec["pgid"], dest)
     # GUARD=raise, patch 0003: a 400 that names the check, and the engine keeps serving; COUNTERS=1 counts them
     code, body = completion(fg, OUT_OF_VOCAB, key=None)
     assert code == 400 and "guard token_ids: token id 999999 is outside [0, " in body, body
@@ -850,9 +851,9 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     assert p.returncode == 0, out[-3000:]
     assert "engine stopped" in out and "API is OPEN to the network" in out
     deadline = time.monotonic() + 10
-    while engine_processes(rec["pgid"]) and time.monotonic() < deadline:
+    while engine_processes(rec["pgid"], dest) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not engine_processes(rec["pgid"]), [q.info for q in engine_processes(rec["pgid"])]
+    assert not engine_processes(rec["pgid"], dest), [q.info for q in engine_processes(rec["pgid"], dest)]
     assert not state.exists()
 
 
@@ -887,7 +888,7 @@ def test_a_killed_engine_process_under_the_foreground_supervisor_ends_the_group_
     took = time.monotonic() - t0
     assert p.returncode == 1, out[-3000:]
     assert said in out and "so systemd restarts it" in out, out[-3000:]
-    assert not engine_processes(rec["pgid"]), [q.info for q in engine_processes(rec["pgid"])]
+    assert not engine_processes(rec["pgid"], dest), [q.info for q in engine_processes(rec["pgid"], dest)]
     assert not state.exists() and not (dest / ".rig" / "run").exists()
     print(f"\nkill -9 of the {which} under the foreground supervisor: exit 1 after {took:.1f} s")
 
@@ -949,7 +950,7 @@ def test_a_bad_scales_sidecar_stops_the_engine_naming_the_file_and_the_layer(ser
     log = (tmp_path / "bad.log").read_text(errors="replace")
     assert f"SCALES={sidecar}: {want}" in log, log[-3000:]
     assert not (dest / ".rig" / "engine.toml").exists()
-    assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
+    assert not vllm_named(dest)
 
 
 def test_a_direction_set_of_the_wrong_size_stops_the_engine_with_both_shapes(served, probes, tmp_path):
@@ -968,4 +969,4 @@ def test_a_direction_set_of_the_wrong_size_stops_the_engine_with_both_shapes(ser
             "(2, 256) (hidden size 256, 2 layers), found (255,): the direction set of another model?")
     assert want in log, log[-3000:]
     assert not (dest / ".rig" / "engine.toml").exists()
-    assert not [p for p in psutil.process_iter(["name"]) if "VLLM::" in (p.info["name"] or "")]
+    assert not vllm_named(dest)

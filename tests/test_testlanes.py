@@ -1,0 +1,56 @@
+"""The suite's two lanes (rig/base/testlanes.py): every test file runs in exactly one, and a lane's failure, or a
+lane that collected nothing, fails the run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+from rig.base import testlanes
+
+
+def test_every_test_file_runs_in_exactly_one_lane() -> None:
+    args = testlanes.lanes(ROOT)
+    ignored = {a.removeprefix("--ignore=") for a in args["main"]}
+    files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
+    assert set(args["serve"]) <= files and ignored == set(args["serve"])
+    assert all(a.startswith("--ignore=") for a in args["main"])  # main: everything else, new files too
+
+
+def lane_files(tmp_path: Path, **tests: str) -> dict[str, list[str]]:
+    for name, body in tests.items():
+        (tmp_path / f"test_{name}.py").write_text(body)
+    return {name: [f"test_{name}.py"] for name in tests}
+
+
+def test_both_lanes_passing_is_exit_0_and_each_lanes_output_is_shown(tmp_path: Path, capsys) -> None:
+    lanes = lane_files(tmp_path, one="def test_a():\n    assert True\n", two="def test_b():\n    assert True\n")
+    assert testlanes.run_lanes(tmp_path, lanes) == 0
+    out = capsys.readouterr().out
+    assert "======== lane one: exit 0" in out and "======== lane two: exit 0" in out and out.count("1 passed") == 2
+
+
+def test_a_failing_lane_fails_the_run_and_keeps_its_folder(tmp_path: Path, capsys) -> None:
+    lanes = lane_files(tmp_path, one="def test_a():\n    assert True\n", two="def test_b():\n    assert 1 == 2\n")
+    assert testlanes.run_lanes(tmp_path, lanes) == 1
+    out, err = capsys.readouterr()
+    assert "lane two exit 1" in err and "assert 1 == 2" in out
+    kept = err.split("the lanes' folders are kept in ")[1].split()[0]
+    assert (Path(kept) / "two.log").is_file()
+
+
+def test_a_lane_that_collected_no_tests_fails_the_run(tmp_path: Path, capsys) -> None:
+    lanes = lane_files(tmp_path, one="def test_a():\n    assert True\n", two="x = 1\n")
+    assert testlanes.run_lanes(tmp_path, lanes) == 1
+    assert "a lane with none (pytest's exit 5)" in capsys.readouterr().err
+
+
+def test_with_arguments_it_is_one_plain_pytest(tmp_path: Path) -> None:
+    (tmp_path / "test_x.py").write_text("def test_x():\n    assert True\n")
+    r = subprocess.run([sys.executable, "-m", "rig.base.testlanes", "test_x.py", "-p", "no:cacheprovider"],
+                       cwd=tmp_path, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "1 passed" in r.stdout and "lane" not in r.stdout
