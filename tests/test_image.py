@@ -319,3 +319,31 @@ def compose_up_and_down(env: dict[str, str], name: str, demo_dir: Path, tmp_path
     down = stop_leaves_nothing(cenv, procs, [*compose, "down"], name)
     assert subprocess.run(["podman", "container", "exists", name], env=env).returncode == 1  # removed
     return {"compose to healthy (s)": healthy, "compose down (s)": down}
+
+
+def test_a_builder_storage_without_room_for_the_image_is_refused_with_the_sizes_and_more_room_clears_it(tmp_path,
+                                                                                                        monkeypatch):
+    """Two builds ran out of disk mid-commit with no useful message. The real buildah, its storage moved by its own
+    storage.conf into a 64 MiB tmpfs (in a mount namespace of the test's own): exit 2 before anything starts. The
+    fix, the same storage on this disk: the check passes and says what it found."""
+    if rig_image.usable("buildah"):
+        pytest.skip(f"buildah: {rig_image.usable('buildah')}")
+    small = tmp_path / "small"
+    small.mkdir()
+    conf = tmp_path / "storage.conf"
+
+    def storage(where: Path) -> None:
+        conf.write_text(f'[storage]\ndriver = "vfs"\ngraphroot = "{where}/graph"\nrunroot = "{where}/run"\n')
+
+    storage(small)
+    env = env_with(tmp_path, BUILDER="buildah", ARTIFACTS_DIR=str(packed(tmp_path)), CONTAINERS_STORAGE_CONF=str(conf))
+    cmd = f"mount -t tmpfs -o size=64m tmpfs {small} && exec {ROOT / 'scripts' / 'nox.sh'} -s image -- --dry-run"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"free disk for buildah's storage ({small}/graph): expected >= 20.4 GB" in r.stderr, r.stderr
+    assert "GB free" in r.stderr and "buildah rmi --prune" in r.stderr
+    storage(tmp_path / "roomy")
+    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(conf))
+    said = rig_image.disk_check("buildah", config.settings({"RIG_STATE": str(tmp_path / "state")}))
+    assert said.startswith(f"storage: {tmp_path}/roomy/graph, ") and "the build needs 20.4 GB" in said, said

@@ -40,6 +40,12 @@ DEFAULT_BASE = "debian:trixie-slim"
 MADE_BASE = "localhost/rig-base:trixie"
 SUITE, MIRROR = "trixie", "http://deb.debian.org/debian"
 REGISTRY = "https://registry-1.docker.io/v2/"
+#: The image's size before a build of its variant has recorded one (docs/container.md: 10.2 GB, 9.2 GB).
+EXPECTED_BYTES = {"cuda": 10.2e9, "cpu": 9.2e9}
+#: The builder storage a build needs free, in images: the venv layer is written, then committed as a layer of
+#: about its size (two builds that ran out of disk did so mid-commit, with no useful message).
+NEED_IMAGES = 2.0
+PRUNE = {"docker": "docker system prune", "podman": "podman system prune", "buildah": "buildah rmi --prune"}
 
 
 def _ok(cmd: list[str], timeout: float = 30) -> bool:
@@ -104,6 +110,7 @@ class Plan:
     key: str  # sha256 of the kernels' manifest and sums: what the image's route-1 layer is keyed by
     tag: str
     build: list[str]  # the builder's command line
+    storage: str = ""  # the builder's storage folder, its free bytes, and what the build needs there
 
 
 def kernels_key(ops: Path) -> str:
@@ -134,6 +141,7 @@ def plan(s: Settings, im: Image) -> Plan:
                                "them); route 2, the compile inside the image, is the Dockerfile's own: "
                                "docs/container.md"))
     builder, passed = choose_builder(im.builder)
+    storage = disk_check(builder, s)
     base, make, why = im.base_image, False, "the builder holds it"
     if not has_image(builder, base):
         if registry_answers():
@@ -150,7 +158,47 @@ def plan(s: Settings, im: Image) -> Plan:
                                    f"load it into {builder}, or unset BASE_IMAGE to make {SUITE} with debootstrap"))
     ca = im.host_ca_file if im.host_ca_file and im.host_ca_file.is_file() else None
     return Plan(builder, passed, base, make, why, ca, ops, kernels_key(ops), im.tag,
-                build_command(builder, s, im.tag, base, ca))
+                build_command(builder, s, im.tag, base, ca), storage)
+
+
+def storage_root(builder: str) -> Path | None:
+    """Where ``builder`` keeps its layers (its own answer), or None when it does not say."""
+    cmd = {"docker": ["docker", "info", "-f", "{{.DockerRootDir}}"],
+           "podman": ["podman", "info", "-f", "{{.Store.GraphRoot}}"], "buildah": ["buildah", "info"]}[builder]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
+        root = json.loads(out)["store"]["GraphRoot"] if builder == "buildah" else out
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
+        return None
+    return Path(root) if root else None
+
+
+def need_bytes(s: Settings) -> int:
+    """Free builder storage the build needs: NEED_IMAGES of the image's size, the last recorded one of this
+    variant when there is one."""
+    try:
+        size = float(json.loads((s.state_dir / f"image-{s.device}.json").read_text())["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        size = EXPECTED_BYTES[s.device]
+    return int(NEED_IMAGES * size)
+
+
+def disk_check(builder: str, s: Settings) -> str:
+    """The builder's storage has room for the build, or exit 2 with the sizes (before anything starts)."""
+    root = storage_root(builder)
+    if root is None:
+        return f"storage: {builder} did not say where it keeps its layers; not checked"
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free, need = shutil.disk_usage(where).free, need_bytes(s)
+    if free < need:
+        raise BadInput(problem(f"free disk for {builder}'s storage ({root})", f">= {need / 1e9:.1f} GB (the "
+                               f"image is about {need / NEED_IMAGES / 1e9:.1f} GB: its venv layer is written, then "
+                               "committed)", f"{free / 1e9:.1f} GB free",
+                               f"free {(need - free) / 1e9:.1f} GB more there ({PRUNE[builder]} removes what no "
+                               "image uses), or give the builder a storage folder on a bigger disk"))
+    return f"storage: {root}, {free / 1e9:.1f} GB free, the build needs {need / 1e9:.1f} GB"
 
 
 def make_base(builder: str, cache: Path) -> None:
@@ -199,6 +247,7 @@ def show(p: Plan) -> None:
     say(f"builder: {p.builder}" + (f" ({'; '.join(p.passed)})" if p.passed else ""))
     say(f"base: {p.base}: {p.base_why}")
     say(f"host CA: {p.ca} as the build secret host_ca" if p.ca else "host CA: none found (HOST_CA_FILE)")
+    say(p.storage)
     say("build: " + " ".join(p.build))
 
 
