@@ -54,3 +54,14 @@ def test_with_arguments_it_is_one_plain_pytest(tmp_path: Path) -> None:
                        cwd=tmp_path, capture_output=True, text=True,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "1 passed" in r.stdout and "lane" not in r.stdout
+
+
+def test_progress_says_the_percentage_and_the_file_a_lane_is_in(tmp_path: Path) -> None:
+    log = tmp_path / "lane.log"
+    assert testlanes.progress(log) == "starting"
+    log.write_text("collected 39 items\n\n")
+    assert testlanes.progress(log) == "building"  # the session fixtures' builds come before the first result
+    log.write_text("collected 39 items\n\ntests/test_a.py ..s.F")
+    assert testlanes.progress(log) == "in tests/test_a.py, 5 done there"
+    log.write_text("tests/test_a.py .....          [ 40%]\ntests/test_b.py ..")
+    assert testlanes.progress(log) == "40% (in tests/test_b.py, 2 done there)"

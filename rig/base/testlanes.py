@@ -49,7 +49,9 @@ def progress(log: Path) -> str:
     except FileNotFoundError:
         return "starting"
     marks = re.findall(r"\[ *(\d+)%\]", text)
-    return f"{marks[-1]}%" if marks else "collecting and building"
+    at = re.findall(r"^(tests/\S+\.py) ([.sFEx]*)", text, re.M)  # the file it is in, the results so far
+    now = f" (in {at[-1][0]}, {len(at[-1][1])} done there)" if at else ""
+    return f"{marks[-1]}%{now}" if marks else f"building{now}" if not at else now.strip(" ()")
 
 
 def run_lanes(root: Path, args: dict[str, list[str]]) -> int:
