@@ -9,8 +9,10 @@ on and off.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -60,6 +62,33 @@ def ple_served(cpu_build, tmp_path_factory):
     took = time.monotonic() - t0
     yield dest, d, env, r, took
     nox(dest, env, "-s", "stop")
+
+
+def embedding_row_is_zero(ckpt: Path, token: int) -> bool:
+    """Whether ``token``'s row of the checkpoint's embedding table is all zeros (read with the standard library)."""
+    with open(ckpt / "model.safetensors", "rb") as fh:
+        size = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(size))
+        entry = header["model.embed_tokens.weight"]
+        width = entry["shape"][1] * {"BF16": 2, "F16": 2, "F32": 4}[entry["dtype"]]
+        fh.seek(8 + size + entry["data_offsets"][0] + token * width)
+        return not any(fh.read(width))
+
+
+def test_a_prompt_holding_the_pad_token_has_finite_logits(ple_served):
+    """Patch 0009: transformers zeroes the pad_token_id row of the embedding when it makes a model (the demo's is
+    0); upstream's AltUp divided 0 by 0 for that token, so every prompt holding it got NaN logits (a logprobs
+    request refused as out-of-range JSON, greedy text empty)."""
+    dest, d, env, r, _ = ple_served
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    ckpt = Path(env["RIG_CACHE"]) / "models" / "demo-ple"
+    config = json.loads((ckpt / "config.json").read_text())
+    pad = config.get("text_config", config)["pad_token_id"]
+    assert embedding_row_is_zero(ckpt, pad) and not embedding_row_is_zero(ckpt, pad + 1)  # the case is here
+    code, text = completion(env, {"model": "demo-ple", "prompt": [pad, 5, 6, 7], "max_tokens": 4, "logprobs": 1})
+    assert code == 200, text
+    logprobs = json.loads(text)["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(logprobs) == 4 and all(math.isfinite(x) for x in logprobs), logprobs
 
 
 def engine_group(env: dict) -> int:
