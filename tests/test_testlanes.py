@@ -53,7 +53,7 @@ def test_with_arguments_it_is_one_plain_pytest(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "rig.base.testlanes", "test_x.py", "-p", "no:cacheprovider"],
                        cwd=tmp_path, capture_output=True, text=True,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0 and "1 passed" in r.stdout and "lane" not in r.stdout
+    assert r.returncode == 0 and "1 passed" in r.stdout and "======== lane" not in r.stdout
 
 
 def test_progress_says_the_percentage_and_the_file_a_lane_is_in(tmp_path: Path) -> None:
