@@ -3,6 +3,7 @@ lane that collected nothing, fails the run."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,14 +39,17 @@ def test_a_failing_lane_fails_the_run_and_keeps_its_folder(tmp_path: Path, capsy
     assert testlanes.run_lanes(tmp_path, lanes) == 1
     out, err = capsys.readouterr()
     assert "lane two exit 1" in err and "assert 1 == 2" in out
-    kept = err.split("the lanes' folders are kept in ")[1].split()[0]
-    assert (Path(kept) / "two.log").is_file()
+    kept = Path(err.split("the lanes' folders are kept in ")[1].split()[0])
+    assert (kept / "two.log").is_file()
+    shutil.rmtree(kept)
 
 
 def test_a_lane_that_collected_no_tests_fails_the_run(tmp_path: Path, capsys) -> None:
     lanes = lane_files(tmp_path, one="def test_a():\n    assert True\n", two="x = 1\n")
     assert testlanes.run_lanes(tmp_path, lanes) == 1
-    assert "a lane with none (pytest's exit 5)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a lane with none (pytest's exit 5)" in err
+    shutil.rmtree(err.split("the lanes' folders are kept in ")[1].split()[0])
 
 
 def test_with_arguments_it_is_one_plain_pytest(tmp_path: Path) -> None:
