@@ -50,8 +50,10 @@ def progress(log: Path) -> str:
         return "starting"
     marks = re.findall(r"\[ *(\d+)%\]", text)
     at = re.findall(r"^(tests/\S+\.py) ([.sFEx]*)", text, re.M)  # the file it is in, the results so far
-    now = f" (in {at[-1][0]}, {len(at[-1][1])} done there)" if at else ""
-    return f"{marks[-1]}%{now}" if marks else f"building{now}" if not at else now.strip(" ()")
+    now = f"in {at[-1][0]}, {len(at[-1][1])} done there" if at else ""
+    if marks:
+        return f"{marks[-1]}%" + (f" ({now})" if now else "")
+    return now or "building"
 
 
 def run_lanes(root: Path, args: dict[str, list[str]]) -> int:

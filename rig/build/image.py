@@ -31,7 +31,7 @@ from pathlib import Path
 from rig.base import atomic
 from rig.base.console import header, say
 from rig.base.errors import BadInput, WorkFailed, problem
-from rig.build import artifacts
+from rig.build import artifacts, verify
 from rig.facts.config import Image, Settings
 
 BUILDERS = ("docker", "podman", "buildah")
@@ -188,10 +188,7 @@ def disk_check(builder: str, s: Settings) -> str:
     root = storage_root(builder)
     if root is None:
         return f"storage: {builder} did not say where it keeps its layers; not checked"
-    where = root
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    free, need = shutil.disk_usage(where).free, need_bytes(s)
+    free, need = verify.free_space(root)[1], need_bytes(s)
     if free < need:
         raise BadInput(problem(f"free disk for {builder}'s storage ({root})", f">= {need / 1e9:.1f} GB (the "
                                f"image is about {need / NEED_IMAGES / 1e9:.1f} GB: its venv layer is written, then "

@@ -257,9 +257,14 @@ def check_dest(dest: Path, names: list[str]) -> None:
                                   "a folder", "move it away"))
 
 
+def free_space(path: Path) -> tuple[Path, int]:
+    """The folder at or above ``path`` that exists (``path`` may not yet), and the bytes free on its disk."""
+    where = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    return where, shutil.disk_usage(where).free
+
+
 def check_space(dest: Path, need: int) -> None:
-    where = next((p for p in (dest, *dest.parents) if p.exists()), Path("/"))
-    free = shutil.disk_usage(where).free
+    where, free = free_space(dest)
     if need > free:
         raise WorkFailed(problem(f"{where}", f"{need / 1e6:.0f} MB free for the kernels", f"{free / 1e6:.0f} MB "
                                  "free", AGAIN))
