@@ -11,8 +11,8 @@ Each figure is a ratio against a baseline of the same run:
 (0) --build: ``./build.sh`` on this (fresh) checkout, then again: the first build's time against the no-op's.
 (a) ``./start.sh`` (PROFILE, default demo-gpu) to healthy with a warm compile cache, against bare ``vllm serve``
     of the same command and environment (the rig's own plan) polled with one-token requests every 0.5 s:
-    target <= 1.05x.
-(b) the warm ``./start.sh`` against the cold one (an empty CACHE_ROOT): target <= 0.6x.
+    target <= 1.05x. The bare one starts beside the rig's idle engine, which (c) needs on the card with it.
+(b) the warm ``./start.sh`` against the cold one (an empty CACHE_ROOT, the model made on the box): target <= 0.6x.
 (c) decode tokens/s through the rig's engine against the bare one, at concurrency 1 and 4. Both engines run at
     once on the card (the profile with ``memory_utilization`` 0.28 each), and the rounds alternate rig, bare,
     bare, rig ... so a drift of the card's clocks falls on both: each pair gives a ratio, and the figure is the
@@ -22,8 +22,9 @@ Each figure is a ratio against a baseline of the same run:
     profile with ``speculative = {}``), interleaved the same way, and the drafts' acceptance from the log.
 (e) the card memory of the rig's engine (NVML, its processes) against the KV cache it reports.
 
---decode-only: (c), (d) and (e) alone (no cold, warm and bare starts of (a) and (b)); (e) is then read on the
-rig's engine of (c), which holds its share of the card.
+Every start is one the figures need: the rig's cold start, its warm restart, the bare engine and the one without
+drafts; the engines of (c) and (d) are those of (a) and (b). --decode-only leaves out the warm restart, so (a)
+and (b) too.
 """
 
 from __future__ import annotations
@@ -196,28 +197,6 @@ class Said(list):
         for line in lines:
             self.append(line)
 
-    def __iadd__(self, lines):  # noqa: ANN001, ANN204 - list's own signature
-        self.extend(lines)
-        return self
-
-
-def starts(env: dict, log: Path, work: Path, figures: dict, lines: list[str]) -> None:
-    """(a), (b) and (e): the rig's cold and warm starts and a bare one, one at a time on the whole card."""
-    cold = rig_start(env, log)
-    used, kv_gib, kv_tokens = memory(env, Path(env["LOG"]))
-    rig_stop(env, log)
-    warm = rig_start(env, log)
-    rig_stop(env, log)
-    bare = Bare(env, log, work / "bare-a")
-    bare.stop()
-    card_free()
-    figures.update(rig_cold_s=cold, rig_warm_s=warm, bare_warm_s=bare.took, engine_mib=used, kv_gib=kv_gib,
-                   kv_tokens=kv_tokens)
-    lines += [f"(a) start to healthy, warm cache: ./start.sh {warm:.1f} s, bare vllm serve {bare.took:.1f} s: "
-              f"{warm / bare.took:.2f}x (target <= 1.05x)",
-              f"(b) ./start.sh warm {warm:.1f} s against cold {cold:.1f} s: {warm / cold:.2f}x (target <= 0.6x)",
-              memory_line(used, kv_gib, kv_tokens, "the whole card")]
-
 
 def memory_line(used: float, kv_gib: float, kv_tokens: int, share: str) -> str:
     return (f"(e) the engine ({share}) holds {used} MiB of the card (NVML); its KV cache {kv_gib:.2f} GiB "
@@ -232,7 +211,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=512, help="tokens a request in the decode rounds (default 512)")
     ap.add_argument("--quick", action="store_true", help="2 pairs of 128 tokens")
     ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
-    ap.add_argument("--decode-only", action="store_true", help="(c), (d) and (e) alone: no start figures")
+    ap.add_argument("--decode-only", action="store_true", help="no warm restart, so no (a) and (b)")
     a = ap.parse_args()
     pairs, tokens = (2, 128) if a.quick else (a.pairs, a.tokens)
     work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))
@@ -252,8 +231,6 @@ def main() -> int:
         lines.append(f"(0) ./build.sh on a fresh checkout{' from the offline bundle' if env.get('OFFLINE') else ''}: "
                      f"{first:.1f} s; the no-op build after it {again:.2f} s ({first / again:.0f}x)")
     card_free()
-    if not a.decode_only:
-        starts(env, log, work, figures, lines)
     made = [variant(a.profile, f"bench-{a.profile}", f"memory_utilization = {SHARE}\n")]
     if p.speculative:
         made.append(variant(a.profile, f"bench-{a.profile}-nospec",
@@ -261,12 +238,21 @@ def main() -> int:
     engines: list[Bare] = []
     shared = {**env, "PROFILE": made[0], "GPU_WAIT": "0", "LOG": str(work / "shared.log")}
     try:
-        t_shared = rig_start(shared, log)
-        if a.decode_only:
-            used, kv_gib, kv_tokens = memory(shared, Path(shared["LOG"]))
-            figures.update(engine_mib=used, kv_gib=kv_gib, kv_tokens=kv_tokens, rig_first_start_s=t_shared)
-            lines.append(memory_line(used, kv_gib, kv_tokens, f"memory_utilization {SHARE}"))
+        cold = rig_start(shared, log)
+        used, kv_gib, kv_tokens = memory(shared, Path(shared["LOG"]))
+        figures.update(engine_mib=used, kv_gib=kv_gib, kv_tokens=kv_tokens, rig_cold_s=cold)
+        lines.append(memory_line(used, kv_gib, kv_tokens, f"memory_utilization {SHARE}"))
+        if not a.decode_only:
+            rig_stop(shared, log)
+            warm = rig_start(shared, log)
+            figures.update(rig_warm_s=warm)
+            lines.append(f"(b) ./start.sh warm {warm:.1f} s against cold {cold:.1f} s: {warm / cold:.2f}x "
+                         f"(target <= 0.6x)")
         engines.append(Bare(shared, work / "bare.log", work / "bare-b"))
+        figures.update(bare_warm_s=engines[0].took)
+        if not a.decode_only:
+            lines.append(f"(a) start to healthy, warm cache: ./start.sh {warm:.1f} s, bare vllm serve "
+                         f"{engines[0].took:.1f} s: {warm / engines[0].took:.2f}x (target <= 1.05x)")
         model = p.served_name
         for c in (1, 4):
             got = interleaved(shared, engines[0].env, model, c, pairs, tokens)

@@ -71,7 +71,8 @@ BENCHMARKS = {
     "gpu_figures.py": Bench((rf"^\(a\) start to healthy, warm cache: .*: {X} \(target <= 1.05x\)",
                              rf"^\(b\) ./start.sh warm .*: {X} \(target <= 0.6x\)",
                              rf"^\(c\) decode at concurrency 1: .*: {X}, spread \+/-[\d.]+% over \d+ pairs",
-                             rf"^\(e\) the engine holds \d+ MiB of the card \(NVML\); its KV cache .*\({X} of it\)"),
+                             rf"^\(e\) the engine \(.*\) holds [\d.]+ MiB of the card \(NVML\); its KV cache "
+                             rf".*\({X} of it\)"),
                             "gpu", timeout=1800,
                             marks=(pytest.mark.gpu, pytest.mark.skipif(not driver_loadable(),
                                                                        reason="no NVIDIA driver here"))),
