@@ -11,21 +11,19 @@ Each figure is a ratio against a baseline of the same run:
 (0) --build: ``./build.sh`` on this (fresh) checkout, then again: the first build's time against the no-op's.
 (a) ``./start.sh`` (PROFILE, default demo-gpu) to healthy with a warm compile cache, against bare ``vllm serve``
     of the same command and environment (the rig's own plan) polled with one-token requests every 0.5 s:
-    target <= 1.05x. The bare one starts beside the rig's idle engine (the two share the card for (c)), and the
-    rig's warm restart comes last, beside the idle bare engines.
+    target <= 1.05x. Both are started last, each alone on the card, after (c) and (d).
 (b) the warm ``./start.sh`` against the cold one (an empty CACHE_ROOT, the model made on the box): target <= 0.6x.
 (c) decode tokens/s through the rig's engine against the bare one, at concurrency 1 and 4. Both engines run at
     once on the card (the profile with ``memory_utilization`` 0.28 each), and the rounds alternate rig, bare,
     bare, rig ... so a drift of the card's clocks falls on both: each pair gives a ratio, and the figure is the
-    pairs' median with their spread (the half-width of the middle half): the rig adds nothing to the data path,
-    so 1.00x, and a spread above 2% says the run cannot tell 2% apart (more pairs or longer answers).
+    pairs' median with its 95% interval (distribution-free, from the order statistics). Pairs are added (from
+    --pairs up to --max-pairs) until that interval is within +/-2%: the rig adds nothing to the data path, so
+    1.00x, and the line says whether the run resolves 2%.
 (d) with a ``[speculative]`` profile: decode with it against the same checkpoint without it (a third engine, the
     profile with ``speculative = {}``), interleaved the same way, and the drafts' acceptance from the log.
 (e) the card memory of the rig's engine (NVML, its processes) against the KV cache it reports.
 
-Every start is one the figures need: the rig's cold start, its warm restart, the bare engine and the one without
-drafts; the engines of (c) and (d) are those of (a) and (b). --decode-only leaves out the warm restart, so (a)
-and (b) too.
+The rig's cold start is the engine of (c) and (e); --decode-only leaves out (a) and (b), the two warm starts.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import math
 import os
 import re
 import signal
@@ -140,22 +139,40 @@ def decode(env: dict, model: str, concurrency: int, tokens: int) -> float:
     return done / (time.monotonic() - t0)
 
 
-def interleaved(a: dict, b: dict, model: str, concurrency: int, pairs: int, tokens: int) -> dict:
-    """Rounds of ``a`` and ``b`` in the order a b b a ...; per pair the ratio a / b; the median ratio and the
-    half-width of the middle half of the ratios (as a fraction), with each side's median rate."""
+def median_interval(ratios: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% interval of the median: the order statistics k and n + 1 - k, k the largest with
+    P(Binomial(n, 1/2) < k) <= 2.5%. No k exists below 6 values: the whole range is given then."""
+    r, n = sorted(ratios), len(ratios)
+    k, below = 0, 0.0
+    while k < n // 2 and below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    k = max(k, 1)
+    return r[k - 1], r[n - k]
+
+
+def resolved(ratios: list[float]) -> float:
+    """The interval's half-width as a fraction of the median: the run tells apart what differs by more."""
+    lo, hi = median_interval(ratios)
+    return (hi - lo) / 2 / statistics.median(ratios)
+
+
+def interleaved(a: dict, b: dict, model: str, concurrency: int, pairs: tuple[int, int], tokens: int,
+                target: float = 0.02) -> dict:
+    """Rounds of ``a`` and ``b`` in the order a b b a ...; per pair the ratio a / b. At least ``pairs[0]`` pairs,
+    then more until the median's 95% interval is within +/-``target`` of it or ``pairs[1]`` pairs are done: the
+    median ratio, that half-width, and each side's median rate."""
     for env in (a, b):
         decode(env, model, concurrency, 16)  # a warm-up request
     ra, rb, ratios = [], [], []
-    for i in range(pairs):
-        order = (a, b) if i % 2 == 0 else (b, a)
+    while len(ratios) < pairs[0] or (len(ratios) < pairs[1] and resolved(ratios) > target):
+        order = (a, b) if len(ratios) % 2 == 0 else (b, a)
         got = {id(env): decode(env, model, concurrency, tokens) for env in order}
         ra.append(got[id(a)])
         rb.append(got[id(b)])
         ratios.append(ra[-1] / rb[-1])
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    med = statistics.median(ratios)
-    return {"ratio": med, "spread": (q[2] - q[0]) / 2 / med, "a": statistics.median(ra), "b": statistics.median(rb),
-            "pairs": pairs}
+    return {"ratio": statistics.median(ratios), "within": resolved(ratios), "a": statistics.median(ra),
+            "b": statistics.median(rb), "pairs": len(ratios)}
 
 
 def variant(base: str, name: str, text: str) -> str:
@@ -199,6 +216,12 @@ class Said(list):
             self.append(line)
 
 
+def within(got: dict) -> str:
+    """The decode ratio's precision, and whether it resolves the 2% the figure is read at."""
+    return (f"95% interval of the median +/-{got['within']:.1%} over {got['pairs']} pairs "
+            f"({'resolves' if got['within'] <= 0.02 else 'does not resolve'} 2%)")
+
+
 def memory_line(used: float, kv_gib: float, kv_tokens: int, share: str) -> str:
     return (f"(e) the engine ({share}) holds {used} MiB of the card (NVML); its KV cache {kv_gib:.2f} GiB "
             f"({kv_gib * 1024 / used:.2f}x of it), {kv_tokens:,} tokens")
@@ -208,13 +231,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="demo-gpu", help="the profile to serve (default demo-gpu)")
     ap.add_argument("--build", action="store_true", help="time ./build.sh on this checkout first (figure 0)")
-    ap.add_argument("--pairs", type=int, default=8, help="interleaved pairs of decode rounds (default 8)")
+    ap.add_argument("--pairs", type=int, default=8, help="interleaved pairs of decode rounds, at least (default 8)")
+    ap.add_argument("--max-pairs", type=int, default=40, help="pairs, at most, while the median's 95%% interval is "
+                    "wider than +/-2%% (default 40)")
     ap.add_argument("--tokens", type=int, default=512, help="tokens a request in the decode rounds (default 512)")
     ap.add_argument("--quick", action="store_true", help="2 pairs of 128 tokens")
     ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
     ap.add_argument("--decode-only", action="store_true", help="no warm restart, so no (a) and (b)")
     a = ap.parse_args()
-    pairs, tokens = (2, 128) if a.quick else (a.pairs, a.tokens)
+    pairs, tokens = ((2, 2), 128) if a.quick else ((a.pairs, max(a.pairs, a.max_pairs)), a.tokens)
     work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))
     log = work / "run.log"
     p = profiles.load(a.profile)
@@ -222,7 +247,7 @@ def main() -> int:
            "LOG": str(work / "vllm.log"), "PORT": str(free_port()), "VLLM_API_KEY": "",
            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
     figures: dict[str, float] = {}
-    lines = Said([f"profile {a.profile}; {pairs} pairs of rounds, {tokens} tokens a request"])
+    lines = Said([f"profile {a.profile}; {pairs[0]} to {pairs[1]} pairs of rounds, {tokens} tokens a request"])
     if a.build and (ROOT / "vllm").exists():  # a second build here is the no-op, not the figure (0) stands for
         lines.append(f"(0) not measured: {ROOT} is built already; --build times the first build of a fresh checkout")
     elif a.build:
@@ -244,29 +269,33 @@ def main() -> int:
         figures.update(engine_mib=used, kv_gib=kv_gib, kv_tokens=kv_tokens, rig_cold_s=cold)
         lines.append(memory_line(used, kv_gib, kv_tokens, f"memory_utilization {SHARE}"))
         engines.append(Bare(shared, work / "bare.log", work / "bare-b"))
-        figures.update(bare_warm_s=engines[0].took)
         model = p.served_name
         for c in (1, 4):
             got = interleaved(shared, engines[0].env, model, c, pairs, tokens)
-            figures.update({f"decode_c{c}_ratio": got["ratio"], f"decode_c{c}_spread": got["spread"],
+            figures.update({f"decode_c{c}_ratio": got["ratio"], f"decode_c{c}_within": got["within"],
                             f"rig_decode_c{c}": got["a"], f"bare_decode_c{c}": got["b"]})
             lines.append(f"(c) decode at concurrency {c}: through the rig {got['a']:.0f} tok/s, bare {got['b']:.0f} "
-                         f"tok/s: {got['ratio']:.3f}x, spread +/-{got['spread']:.1%} over {pairs} pairs (target "
-                         f"1.00x; {'resolves' if got['spread'] <= 0.02 else 'does not resolve'} 2%)")
+                         f"tok/s: {got['ratio']:.3f}x, {within(got)} (target 1.00x)")
         if p.speculative:
             engines.append(Bare({**shared, "PROFILE": made[1]}, work / "nospec.log", work / "bare-c"))
             for c in (1, 4):
                 got = interleaved(engines[0].env, engines[1].env, model, c, pairs, tokens)
-                figures.update({f"spec_c{c}_ratio": got["ratio"], f"spec_c{c}_spread": got["spread"]})
+                figures.update({f"spec_c{c}_ratio": got["ratio"], f"spec_c{c}_within": got["within"]})
                 lines.append(f"(d) decode at concurrency {c} with [speculative] {got['a']:.0f} tok/s, without "
-                             f"{got['b']:.0f} tok/s: {got['ratio']:.2f}x, spread +/-{got['spread']:.1%}")
+                             f"{got['b']:.0f} tok/s: {got['ratio']:.3f}x, {within(got)}")
             lines.append(f"(d) {p.speculative}: {acceptance(work / 'bare.log')} (random weights accept few drafts)")
-        if not a.decode_only:  # last: a run cut short by a device's time limit has the decode figures
+        if not a.decode_only:  # last, each alone on the card: a run cut short has the decode figures
+            for e in engines:
+                e.stop()
+            engines.clear()
             rig_stop(shared, log)
             warm = rig_start(shared, log)
-            figures.update(rig_warm_s=warm)
+            rig_stop(shared, log)
+            bare = Bare(shared, work / "bare-alone.log", work / "bare-a")
+            bare.stop()
+            figures.update(rig_warm_s=warm, bare_warm_s=bare.took)
             lines.extend([f"(a) start to healthy, warm cache: ./start.sh {warm:.1f} s, bare vllm serve "
-                          f"{engines[0].took:.1f} s: {warm / engines[0].took:.2f}x (target <= 1.05x)",
+                          f"{bare.took:.1f} s: {warm / bare.took:.2f}x (target <= 1.05x)",
                           f"(b) ./start.sh warm {warm:.1f} s against cold {cold:.1f} s: {warm / cold:.2f}x "
                           f"(target <= 0.6x)"])
     finally:

@@ -70,7 +70,8 @@ BENCHMARKS = {
                            ("--serve",), 1200, (pytest.mark.engine,)),
     "gpu_figures.py": Bench((rf"^\(a\) start to healthy, warm cache: .*: {X} \(target <= 1.05x\)",
                              rf"^\(b\) ./start.sh warm .*: {X} \(target <= 0.6x\)",
-                             rf"^\(c\) decode at concurrency 1: .*: {X}, spread \+/-[\d.]+% over \d+ pairs",
+                             rf"^\(c\) decode at concurrency 1: .*: {X}, 95% interval of the median "
+                             r"\+/-[\d.]+% over \d+ pairs",
                              rf"^\(e\) the engine \(.*\) holds [\d.]+ MiB of the card \(NVML\); its KV cache "
                              rf".*\({X} of it\)"),
                             "gpu", timeout=1800,
@@ -218,3 +219,20 @@ def test_the_benchmark_runs_in_quick_mode_and_prints_its_ratios(name, request):
     for pattern in b.lines:
         assert re.search(pattern, p.stdout, re.M), f"{name}: no line matching {pattern!r} in:\n{p.stdout}"
     print(f"\n{name} --quick ({took:.0f} s):\n{p.stdout}")
+
+
+def test_the_gpu_decode_figure_reads_its_precision_from_the_order_statistics():
+    """gpu_figures adds pairs of rounds until the median's 95% interval is within 2%: the interval is the one a
+    binomial count gives (n = 20: the 6th and 15th values), the whole range below six values, and a run of tight
+    ratios resolves 2% where a scattered one does not."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_figures as g
+    finally:
+        sys.path.remove(str(BENCH))
+    twenty = [1 + i / 100 for i in range(20)]
+    assert g.median_interval(list(reversed(twenty))) == (twenty[5], twenty[14])
+    assert g.median_interval([1.0, 1.3, 0.9, 1.1, 1.2]) == (0.9, 1.3)
+    assert g.median_interval([1.0] * 7 + [2.0]) == (1.0, 2.0)  # n = 8: only the extremes make 95%
+    tight = [1.0 + (i % 5 - 2) / 1000 for i in range(12)]
+    assert g.resolved(tight) <= 0.02 < g.resolved([0.9, 1.1] * 6)
