@@ -34,6 +34,16 @@ def test_both_lanes_passing_is_exit_0_and_each_lanes_output_is_shown(tmp_path: P
     assert "======== lane one: exit 0" in out and "======== lane two: exit 0" in out and out.count("1 passed") == 2
 
 
+def test_the_lanes_engines_float_over_the_cores_unless_the_caller_binds_them(tmp_path: Path, monkeypatch) -> None:
+    """Each lane's environment has VLLM_CPU_OMP_THREADS_BIND=nobind (vLLM's default pins every CPU engine's
+    worker to core 0, so two lanes' engines took turns on it); a value the caller set is kept."""
+    check = "import os\ndef test_a():\n    assert os.environ['VLLM_CPU_OMP_THREADS_BIND'] == {!r}\n"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert testlanes.run_lanes(tmp_path, lane_files(tmp_path, one=check.format("nobind"))) == 0
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert testlanes.run_lanes(tmp_path, lane_files(tmp_path, two=check.format("1"))) == 0
+
+
 def test_a_failing_lane_fails_the_run_and_keeps_its_folder(tmp_path: Path, capsys) -> None:
     lanes = lane_files(tmp_path, one="def test_a():\n    assert True\n", two="def test_b():\n    assert 1 == 2\n")
     assert testlanes.run_lanes(tmp_path, lanes) == 1

@@ -7,6 +7,11 @@ Each lane has its own temporary folder, so its own fresh copy of the rig and its
 an engine's processes look in their own copy (tests/conftest.py ``engine_like``). Their output is kept apart and
 shown lane by lane at the end, with a line of progress every minute meanwhile.
 
+Both lanes' CPU engines float over the cores (:data:`LANE_ENV`): vLLM's default binds each engine's worker to
+core 0 (it keeps the last core for the rest) from the moment torch loads, so two lanes' engines starting together
+took turns on one core while the other idled (two demo starts at once: 97 to 135 s bound, 77 to 86 s floating).
+A test that binds its own (the two-node tests: one core a node) keeps its value.
+
 With arguments (``nox -s tests -- tests/test_x.py -k y``) it is one plain pytest with them. The exit status is
 pytest's, the worst lane's; a lane that collected no test (pytest's 5) fails the run.
 """
@@ -31,6 +36,8 @@ SERVE = ("tests/test_serve_real.py", "tests/test_ple_real.py", "tests/test_updat
 DURATIONS = "--durations=25"
 PROGRESS_EVERY = 60.0
 NO_TESTS = 5  # pytest's exit status when it collected nothing
+#: What each lane's environment has unless the caller's sets it.
+LANE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def lanes(root: Path) -> dict[str, list[str]]:
@@ -61,14 +68,15 @@ def run_lanes(root: Path, args: dict[str, list[str]]) -> int:
     work = Path(tempfile.mkdtemp(prefix="rig-test-lanes-"))
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     t0 = time.monotonic()
+    env = {**LANE_ENV, **os.environ}
     try:
         for name, lane in args.items():
             log = work / f"{name}.log"
             with open(log, "wb") as fh:
                 procs[name] = (subprocess.Popen(
                     [sys.executable, "-m", "pytest", DURATIONS, "-p", "no:cacheprovider",
-                     f"--basetemp={work / name}", *lane], cwd=root, stdout=fh, stderr=subprocess.STDOUT,
-                    start_new_session=True), log)
+                     f"--basetemp={work / name}", *lane], cwd=root, env=env, stdout=fh,
+                    stderr=subprocess.STDOUT, start_new_session=True), log)
         note(f"tests: lanes {' and '.join(procs)} started, their output in {work}")
         last = time.monotonic()
         while any(p.poll() is None for p, _ in procs.values()):
