@@ -74,7 +74,17 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && /opt/tools/bin/pip install --disable-pip-version-check cmake==4.4.5 ninja==1.13.2 uv==0.13.9 \
     && ln -s /opt/tools/bin/cmake /opt/tools/bin/ninja /opt/tools/bin/uv /usr/local/bin/
 
-COPY . .
+# Steps 1-5 read the wrappers, the series, the profiles and the rig's three lowest layers (base, facts, build:
+# none of them imports a folder above it, tests/test_layers.py), so those come in first: an edit elsewhere under
+# rig/ (start, the supervisor, the nodes) keeps the 7-9 GB venv layer below from the cache. The rest after it.
+COPY build.sh noxfile.py pyproject.toml ./
+COPY scripts/ scripts/
+COPY patches/ patches/
+COPY models/ models/
+COPY rig/__init__.py rig/cli.py rig/
+COPY rig/base/ rig/base/
+COPY rig/facts/ rig/facts/
+COPY rig/build/ rig/build/
 
 # DEVICE picks the tree and venv: vllm/ and .venv/, or vllm-cpu/ and .venv-cpu/ with DEVICE=cpu. PACK=0: the
 # image is the product, no artifacts/ inside it. uv copies out of its cache (a mount) and uses the image's
@@ -95,6 +105,8 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     && cp -a --update=none /mnt/uvcache/. /root/.cache/uv/ \
     && ./build.sh --only tools,tree,venv,runtime,toolchain \
     && python3 -m rig.build.container target
+
+COPY . .
 
 # Route 1: the rig's verify (standard library only) computes this image's kernel target and checks the tarball
 # against it in one process: its tree (OPS_OBJ), ARCH, CPython, CUDA and torch, its files against the

@@ -224,6 +224,60 @@ def test_buildah_runs_route_1_again_when_the_kernels_change_and_reuses_it_when_t
     assert build(empty) == [""]  # no kernels: route 2's empty key, not the last route-1 layer
 
 
+
+def early_copies() -> list[str]:
+    """The Dockerfile's COPY lines from the context before the steps 1-5 RUN (what that layer is keyed on)."""
+    text = DOCKERFILE.read_text()
+    head = text[text.index("WORKDIR /opt/vllm"):text.index("./build.sh --only tools,tree,venv,runtime,toolchain")]
+    return [line for line in head.splitlines() if line.startswith("COPY ") and "--from" not in line]
+
+
+def test_the_steps_layer_is_keyed_on_what_steps_1_to_5_read():
+    """The early copies hold the rig's three lowest layers whole, and what the front door imports at load: steps
+    1-5 (rig.build.steps) import nothing above rig/build (tests/test_layers.py), so the layer sees every input."""
+    copied = {p.rstrip("/") for line in early_copies() for p in line.split()[1:-1]}
+    assert {"rig/base", "rig/facts", "rig/build", "rig/cli.py", "rig/__init__.py", "build.sh", "noxfile.py",
+            "patches", "scripts", "pyproject.toml"} <= copied
+    tops = re.findall(r"^from (rig\.\w+)", (ROOT / "rig" / "cli.py").read_text(), re.M)
+    assert tops and all(t.replace(".", "/") in copied for t in tops), tops
+
+
+@pytest.mark.container
+def test_an_edit_above_the_build_layer_keeps_the_venv_layer_and_one_in_it_does_not(tmp_path):
+    """The Dockerfile's early copies, built by the real buildah on a busybox base with a stand-in for steps 1-5:
+    an edit to rig/control/ (the start, above the build layer) takes that layer from the cache; an edit to
+    rig/build/ runs it again."""
+    if not shutil.which("buildah") or not Path("/bin/busybox").exists() or os.geteuid() != 0:
+        pytest.skip("needs root, buildah and busybox-static (python -m rig.base.testdeps installs them)")
+    rootfs = tmp_path / "rootfs" / "bin"
+    rootfs.mkdir(parents=True)
+    shutil.copy("/bin/busybox", rootfs / "busybox")
+    (rootfs / "sh").symlink_to("busybox")
+    ctr = buildah(tmp_path, "from", "scratch").stdout.strip()
+    assert buildah(tmp_path, "copy", ctr, str(rootfs.parent), "/").returncode == 0
+    assert buildah(tmp_path, "commit", "-q", ctr, "localhost/rig-mini").returncode == 0
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    for name in (".dockerignore", "build.sh", "start.sh", "vllm-logs.sh", "noxfile.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, ctx / name)
+    for name in ("rig", "scripts", "patches", "models"):
+        shutil.copytree(ROOT / name, ctx / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (ctx / "Dockerfile").write_text("FROM localhost/rig-mini\nWORKDIR /opt/vllm\n" + "\n".join(early_copies())
+                                    + "\nRUN sh -c 'echo steps 1-5 ran'\nCOPY . .\n")
+
+    def build() -> bool:
+        r = buildah(tmp_path, "bud", "--isolation", "chroot", "--layers", "-t", "localhost/rig-steps", str(ctx))
+        assert r.returncode == 0, r.stdout + r.stderr
+        return re.search(r"^steps 1-5 ran$", r.stdout, re.M) is not None  # the output, not the STEP line
+
+    assert build()
+    with open(ctx / "rig" / "control" / "start.py", "a") as fh:
+        fh.write("# an edit above the build layer\n")
+    assert not build()  # the venv layer from the cache
+    with open(ctx / "rig" / "build" / "demo.py", "a") as fh:
+        fh.write("# an edit in the build layer\n")
+    assert build()
+
 def test_dockerfile_base_args_caches_and_command():
     ins = instructions()
     froms = [a for i, a, _ in ins if i == "FROM"]
