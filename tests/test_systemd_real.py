@@ -5,7 +5,8 @@ A fresh copy of the checkout is bound in at ``/opt/vllm``, the unit's own path (
 PrivateTmp= hides it), and the unit's ``ExecStartPre`` builds it there on the first start, as on a new host. The
 warm caches (uv's, the rig's) are bound in so that build takes about a minute. One container and one installed
 unit serve the whole module, in order: install, start, status, the log's rotation, ``kill -9`` of the API server
-and of EngineCore, the updates, stop, the start limit, uninstall.
+and of EngineCore, the updates, stop, a refused configuration (not restarted) and a busy port (restarted until
+the start limit), uninstall.
 
 Marked ``systemd``: run alone with ``scripts/nox.sh -s tests -- -m systemd`` (about 15 minutes; not in CI, whose
 45 minutes the rest of the suite nearly fills: docs/testing.md).
@@ -300,39 +301,71 @@ def test_stop_leaves_no_process(started):
     assert not unit.answers()
 
 
-def test_the_start_limit_ends_the_restarts_of_an_engine_that_cannot_start(started):
-    """A checkpoint that is not there: each start fails (exit 2, its reason in the journal), systemd starts it again
-    until StartLimitBurst= starts in StartLimitIntervalSec=, then gives up. RestartSec= is shortened by a drop-in
-    for the test (30 s each in the unit); the limit itself is the unit's."""
+class Refusal:
+    """A drop-in that shortens RestartSec= (30 s in the unit) and extra lines in the unit's environment file, both
+    taken back at the end, with the unit's failed state reset."""
+
+    def __init__(self, unit: Unit, env_lines: str) -> None:
+        self.unit, self.root = unit, Path(f"/proc/{unit.box.pid1()}/root")
+        self.drop = self.root / "etc/systemd/system/vllm.service.d/zz-test.conf"
+        self.env_file, self.lines = self.root / "etc/default/vllm", env_lines
+
+    def __enter__(self) -> Refusal:
+        self.kept = self.env_file.read_text()
+        self.drop.parent.mkdir(parents=True, exist_ok=True)
+        self.drop.write_text("[Service]\nRestartSec=1\n")
+        self.env_file.write_text(self.kept + self.lines)
+        self.unit.box.sh("systemctl", "daemon-reload", check=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop.unlink()
+        self.env_file.write_text(self.kept)
+        self.unit.box.sh("systemctl", "daemon-reload")
+        self.unit.box.sh("systemctl", "reset-failed", "vllm.service")
+
+
+def test_a_configuration_the_rig_refuses_is_not_restarted(started):
+    """A checkpoint that is not there: the start exits 2, a configuration to fix, and the unit's
+    RestartPreventExitStatus=2 keeps systemd from starting it again: one start, failed, its reason in the journal."""
     unit = started[0]
-    pid1_root = Path(f"/proc/{unit.box.pid1()}/root")
+    with Refusal(unit, "CKPT=/srv/no-such-checkpoint\n"):
+        cursor = unit.cursor()
+        assert unit.svc("start", timeout=300).returncode != 0
+        unit.wait(lambda: unit.show("ActiveState")["ActiveState"] == "failed", 120, "the failed state")
+        time.sleep(5)  # five RestartSec= of the drop-in: a restart would have begun
+        shown = unit.show("ActiveState", "Result", "ExecMainStatus", "NRestarts")
+        log = unit.journal(cursor)
+        assert shown["ActiveState"] == "failed" and shown["NRestarts"] == "0", (shown, log[-3000:])
+        assert shown["ExecMainStatus"] == "2", (shown, log[-3000:])
+        assert log.count("Starting vllm.service") == 1 and "/srv/no-such-checkpoint" in log, log[-3000:]
+        assert unit.cgroup_procs() == [] and unit.engine() == []
+
+
+def test_a_busy_port_is_restarted_until_the_start_limit(started):
+    """The port taken by another program: each start exits 75 (busy for now), which systemd restarts, until
+    StartLimitBurst= starts in StartLimitIntervalSec=; then it gives up. The limit itself is the unit's."""
+    unit = started[0]
     burst = int(re.search(r"^StartLimitBurst=(\d+)", (unit.copy / "systemd" / "vllm.service").read_text(), re.M)[1])
     assert burst == int(unit.show("StartLimitBurst")["StartLimitBurst"])
-    drop = pid1_root / "etc/systemd/system/vllm.service.d/zz-test.conf"
-    env_file = pid1_root / "etc/default/vllm"
-    kept = env_file.read_text()
-    drop.parent.mkdir(parents=True, exist_ok=True)
-    drop.write_text("[Service]\nRestartSec=1\n")
-    env_file.write_text(kept + "CKPT=/srv/no-such-checkpoint\n")
+    holder = subprocess.Popen(["nsenter", "-t", str(unit.box.pid1()), "-a", "python3", "-c",
+                               "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', "
+                               f"{unit.env['PORT']})); s.listen(); time.sleep(600)"])
     try:
-        unit.box.sh("systemctl", "daemon-reload", check=True)
-        cursor = unit.cursor()
-        t0 = time.monotonic()
-        r = unit.svc("start", timeout=300)
-        assert r.returncode != 0
-        # Result= keeps the last start's "exit-code": the refusal is told by the journal and the failed state
-        unit.wait(lambda: "Start request repeated too quickly." in unit.journal(cursor)
-                  and unit.show("ActiveState")["ActiveState"] == "failed", 300, "the start limit")
-        log = unit.journal(cursor)
-        assert log.count("/srv/no-such-checkpoint") >= burst, log[-3000:]  # the reason, at every try
-        assert log.count("Starting vllm.service") == burst, log[-3000:]
-        assert unit.cgroup_procs() == [] and unit.engine() == []
-        print(f"\nstart limit: {burst} starts, then systemd gave up ({time.monotonic() - t0:.0f} s)")
+        with Refusal(unit, ""):
+            cursor = unit.cursor()
+            t0 = time.monotonic()
+            assert unit.svc("start", timeout=300).returncode != 0
+            unit.wait(lambda: "Start request repeated too quickly." in unit.journal(cursor)
+                      and unit.show("ActiveState")["ActiveState"] == "failed", 300, "the start limit")
+            log = unit.journal(cursor)
+            assert log.count("Starting vllm.service") == burst, log[-3000:]
+            assert unit.show("ExecMainStatus")["ExecMainStatus"] == "75", log[-3000:]
+            assert unit.cgroup_procs() == [] and unit.engine() == []
+            print(f"\nstart limit: {burst} starts, then systemd gave up ({time.monotonic() - t0:.0f} s)")
     finally:
-        drop.unlink()
-        env_file.write_text(kept)
-        unit.box.sh("systemctl", "daemon-reload")
-        unit.box.sh("systemctl", "reset-failed", "vllm.service")
+        holder.kill()
+        holder.wait()
 
 
 def test_uninstall_removes_the_unit(started):
