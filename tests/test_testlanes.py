@@ -79,3 +79,10 @@ def test_progress_says_the_percentage_and_the_file_a_lane_is_in(tmp_path: Path) 
     assert testlanes.progress(log) == "in tests/test_a.py, 5 done there"
     log.write_text("tests/test_a.py .....          [ 40%]\ntests/test_b.py ..")
     assert testlanes.progress(log) == "40% (in tests/test_b.py, 2 done there)"
+
+
+def test_a_lane_file_that_is_not_there_is_exit_2_naming_it_and_the_fix(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "rig.base.testlanes"], cwd=tmp_path, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and "tests/test_serve_real.py" in r.stderr, r.stderr
+    assert "fix SERVE in rig/base/testlanes.py" in r.stderr and "lanes serve and main started" not in r.stderr

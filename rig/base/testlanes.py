@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rig.base.console import echo, error, note, plain
-from rig.base.errors import problem
+from rig.base.console import echo, error, guard, note, plain
+from rig.base.errors import BadInput, problem
 
 #: The lane ``serve``'s files: the engine tests that start most engines. The lane ``main`` runs the rest.
 SERVE = ("tests/test_serve_real.py", "tests/test_ple_real.py", "tests/test_update_real.py")
@@ -44,8 +44,8 @@ def lanes(root: Path) -> dict[str, list[str]]:
     """Each lane's pytest arguments; ``root`` is the repository (the files of SERVE must be there)."""
     missing = [f for f in SERVE if not (root / f).is_file()]
     if missing:
-        raise SystemExit(problem("the lane serve's test files", "in tests/", f"none at {', '.join(missing)}",
-                                 "fix SERVE in rig/base/testlanes.py"))
+        raise BadInput(problem("the lane serve's test files", "in tests/", f"none at {', '.join(missing)}",
+                               "fix SERVE in rig/base/testlanes.py"))
     return {"serve": list(SERVE), "main": [f"--ignore={f}" for f in SERVE]}
 
 
@@ -127,4 +127,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(guard(lambda: main(sys.argv[1:])))
