@@ -122,3 +122,40 @@ def test_serve_numbers_take_ascii_digits_only(name, value, want):
              "VLLM_LOG_STATS_INTERVAL": "1.5"}[name]
     config.serve_settings({name: fixed}) if name not in ("CUDA_VISIBLE_DEVICES", "PORT") else \
         config.settings({name: fixed})
+
+
+def _refusal(name: str, env: dict[str, str]) -> str:
+    """The refusal of ``name`` by the settings of ``env`` (build's, then serve's), or '' when none names it."""
+    for read in (config.settings, config.serve_settings):
+        try:
+            read(env)
+        except BadInput as e:
+            if e.message.startswith(f"{name}:"):
+                return e.message
+    return ""
+
+
+def _fixes(name: str, message: str) -> list[dict[str, str] | None]:
+    """Each change the refusal's ``Fix:`` offers, as the environment it makes (None: unset the variable)."""
+    fix = message.split("Fix:", 1)[1]
+    out: list[dict[str, str] | None] = [{name: v} for v in re.findall(rf"\b{name}=([^\s,()]*)", fix)]
+    out += [{name: v} for v in re.findall(rf"set {name} to at most (\d+)", fix)]
+    one_of = re.search(rf"set {name} to one of ([\w, -]+?)(?:, or|$)", fix)
+    if one_of:
+        out += [{name: v.strip()} for v in one_of[1].split(",") if v.strip()]
+    if re.search(rf"unset (it|{name})", fix):
+        out.append(None)
+    return out
+
+
+@pytest.mark.parametrize("var", [v.name for v in config.VARS])
+def test_following_a_variables_fix_clears_its_refusal(var):
+    """The class 'a fix that loops', for every variable: a bad value is refused naming a fix, and each change that
+    fix offers (a value to set, one of a list, or unsetting it) is then taken."""
+    refused = [(bad, m) for bad in ("x", "-1", "\u0663", "99999999999999999999") if (m := _refusal(var, {var: bad}))]
+    for bad, message in refused:
+        assert "Fix:" in message, message
+        fixes = _fixes(var, message)
+        assert fixes, f"{var}={bad!r}: the fix offers nothing to follow: {message}"
+        for env in fixes:
+            assert not _refusal(var, env or {}), f"{var}={bad!r}, followed to {env or 'unset'}: {message}"

@@ -383,7 +383,9 @@ def serve_settings(env: Mapping[str, str] | None = None, root: Path | None = Non
                                f"{v.max_seqs} (2048 is the default), or lower MAX_SEQS"))
     if v.node_rank >= v.nodes:
         raise BadInput(problem("NODE_RANK", f"0 to NODES-1 = {v.nodes - 1} (0 is the head)", str(v.node_rank),
-                               f"set NODE_RANK below NODES={v.nodes}, one rank per node"))
+                               "set NODE_RANK=0 (one node: the head), or raise NODES" if v.nodes == 1 else
+                               f"set NODE_RANK=0 on the head and 1 to {v.nodes - 1} on the workers (NODES={v.nodes}), "
+                               "one rank per node"))
     if v.nodes > 1 and not v.head_addr:
         raise BadInput(problem("HEAD_ADDR", f"the head's address, with NODES={v.nodes}", "unset",
                                "set HEAD_ADDR on every node to the head's address on the private network "

@@ -210,7 +210,9 @@ def cards(v: Var, env: Mapping[str, str], root: Path) -> str:
     if bad:
         uuid = any(x.startswith(("GPU-", "MIG-")) for x in bad)
         raise BadInput(problem(v.name, "card indices in PCI bus order, comma-separated (0,1,2,3)", repr(raw),
-                               "use the indices nvidia-smi -L prints" + (" (GPU UUIDs are not supported: the "
+                               "set CUDA_VISIBLE_DEVICES to the indices nvidia-smi -L prints (CUDA_VISIBLE_DEVICES=0 "
+                               "for the first card, CUDA_VISIBLE_DEVICES=0,1 for two), or unset it for every card"
+                               + (" (GPU UUIDs are not supported: the "
                                "topology is chosen from indices and their P2P links)" if uuid else "")))
     twice = sorted({x for x in items if items.count(x) > 1})
     if twice:
