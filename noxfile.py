@@ -70,6 +70,12 @@ def start(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def fit(session: nox.Session) -> None:
+    """Will it fit: weights, KV cache and verdict per card, before any engine starts (-- --cards N --card-memory M)."""
+    _rig(session, "fit")
+
+
+@nox.session(**WORK)
 def stop(session: nox.Session) -> None:
     """Stop the engine: SIGTERM to its process group, SIGKILL after STOP_TIMEOUT, none left behind."""
     _rig(session, "stop")

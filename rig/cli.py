@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -250,6 +251,27 @@ def _doctor(a: Args) -> int:
     return 0
 
 
+def _fit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cards", type=int, default=0, help="answer for a box of N cards (default: this box's)")
+    p.add_argument("--card-memory", default="", help="each card's memory as torch sees it, e.g. 24GiB or 80GB "
+                   "(default: this box's, read by NVML)")
+
+
+def _fit(a: Args) -> int:
+    return _use("control").fit_report(_use("start").profile_device(os.environ), a.cards, _mib(a.card_memory))
+
+
+def _mib(text: str) -> float:
+    """A memory size: a number with GiB, GB, MiB or MB (24GiB, 80GB); '' is 0 (read the box)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB|MiB|MB)\s*", text)
+    if text and not m:
+        raise BadInput(problem("--card-memory", "a size such as 24GiB, 80GB or 24576MiB", repr(text),
+                               "write the number and its unit, e.g. --card-memory 24GiB"))
+    if not text:
+        return 0.0
+    return float(m[1]) * {"GiB": 1024, "GB": 1e9 / 2**20, "MiB": 1, "MB": 1e6 / 2**20}[m[2]]
+
+
 def _logs_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--follow", action="store_true", help="follow the log file (LOG)")
     p.add_argument("-n", "--lines", type=int, default=None, help="start from the last N lines (default 500 with -f)")
@@ -336,6 +358,8 @@ COMMANDS: dict[str, Command] = {
                         "it (and back again when it is not healthy).", _rollback, _update_arguments),
     "doctor": Command("nox -s doctor --", "Report the box: every check, pass/fail/warn, and the facts of every card.",
                       _doctor),
+    "fit": Command("nox -s fit --", "Will it fit: the weights, the KV cache and the verdict per card for the plan a "
+                   "start would make, before any engine starts (exit 2: it does not fit).", _fit, _fit_arguments),
     "logs": Command("vllm-logs.sh", "vLLM's stats lines, one coloured line per update.", _logs, _logs_arguments),
     "service": Command("scripts/install-as-service.sh", "Run the rig under systemd: the unit, its environment file, "
                        "the logrotate policy.", _service, _service_arguments),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -135,6 +136,21 @@ def test_start_demo_serves_the_real_engine_and_says_how_to_use_it(served):
     assert "try it: curl -s http://127.0.0.1:" in r.stdout and "stop it: scripts/nox.sh -s stop" in r.stdout
     print(f"\n./start.sh --demo to healthy (builds current): {took:.0f} s")
 
+
+
+def test_the_fit_said_before_the_start_is_the_pool_vllm_then_made(served):
+    """rig/plan/fit.py's verdict, printed before the engine started, against vLLM's own capacity line after it
+    (within 5%; on the CPU the pool is VLLM_CPU_KVCACHE_SPACE exactly, so it is the same number)."""
+    r = served[2]
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    said = re.search(r"fit: fits: ([\d.]+) requests of [\d,]+ tokens, KV cache size ([\d,]+) tokens", r.stdout)
+    made = re.search(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens per request: "
+                     r"([\d.]+)x", r.stdout)
+    assert said and made, r.stdout[-4000:]
+    assert r.stdout.index(said[0]) < r.stdout.index("engine started")
+    predicted, printed = (int(m.replace(",", "")) for m in (said[2], made[1]))
+    assert abs(predicted / printed - 1) <= 0.05, (predicted, printed)
+    print(f"\nfit: {predicted:,} tokens predicted, vLLM {printed:,} ({predicted / printed:.4f}x)")
 
 def test_a_chat_completion_answers_with_the_key_and_401_without_it(served):
     _, env, r, _, state = served

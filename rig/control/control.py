@@ -1,22 +1,26 @@
-"""``nox -s stop``, ``nox -s status`` and ``nox -s doctor``: acting on, and reporting, an engine and its box.
+"""``nox -s stop``, ``nox -s status``, ``nox -s doctor`` and ``nox -s fit``: acting on, and reporting, an engine
+and its box.
 
 Stop and status read the pid file (rig/running/enginerec.py) and find the engine by its process group; stop is
 enginerec's own (what a worker's agent runs too), with a multi-node head's workers first. Status adds the
 one-token health check, the hang watchdog's reading (rig/running/watchdog.py), the KV cache line from the log and, on a
 head, each node from the registry's beats (rig/nodes/). Doctor is the box report (rig/plan/box.py) with a multi-node
-setting's checks.
+setting's checks. Fit is rig/plan/fit.py's verdict on the plan a start would make (``--cards N``: on N cards).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from pathlib import Path
 
-from rig.base.console import error, say
+from rig.base.console import error, plain, say
 from rig.base.proc import alive
+from rig.facts import slots
 from rig.facts.config import Serve, Settings
 from rig.facts.profiles import Profile
 from rig.nodes import client, registry
-from rig.plan import box
+from rig.plan import box, fit, serve
 from rig.running import enginerec, logs, watchdog
 from rig.running.enginerec import ago, engine_key, leftovers, load, pid_path, server_alive
 from rig.running.health import health
@@ -92,3 +96,27 @@ def status(s: Settings, v: Serve) -> int:
     elif not ok:
         error("the engine runs but does not generate: see its log; nox -s stop, then ./start.sh")
     return 0 if ok and not hung else 1
+
+
+def fit_report(env: Mapping[str, str], cards: int = 0, card_mib: float = 0.0) -> int:
+    """The verdict for the plan a start would make here (``cards``: on that many cards instead, each of
+    ``card_mib``, the memory torch sees); exit 2 when it does not fit."""
+    env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(cards)))} if cards else dict(env)
+    s = slots.settings(env)
+    v, p = serve.inputs(s, env)
+    report = serve.BoxReport(None, checked=False) if cards else serve.check_box(s, v, p, check=False)
+    pl = serve.plan(s, v, p, report)
+    card_mib = card_mib or fit.card_mib(report.reading)
+    if s.device == "cuda" and not card_mib:
+        error("fit: no card here to read its memory: give --card-memory (for example --card-memory 24GiB)")
+        return 2
+    f = fit.estimate(pl.engine.argv, pl.engine.full_env(env), s.device, Path(s.ckpt), card_mib)
+    t = pl.topology
+    where = f"TP{t.tp} x PP{t.pp}{' + EP' if t.ep else ''}" if s.device == "cuda" else "the CPU build"
+    plain(f"fit: profile {p.name} ({p.path}), {where}, checkpoint {s.ckpt}")
+    for line in fit.lines(f):
+        plain(f"  {line}")
+    if why := fit.refusal(f):
+        error(why)
+        return 2
+    return 0

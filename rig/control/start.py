@@ -24,7 +24,7 @@ from rig.build.steps.order import steps
 from rig.facts import config, profiles, slots
 from rig.facts.config import Serve, Settings
 from rig.nodes import part
-from rig.plan import box, engine, serve
+from rig.plan import box, engine, fit, serve
 from rig.running import enginerec, gpugate, logs, sdnotify, supervise
 from rig.running.health import connect_host
 
@@ -53,6 +53,7 @@ def run(s: Settings, env: Mapping[str, str], *, foreground: bool, dry_run: bool,
         raise (Busy if report.busy else BadInput)(report.refusal)
     plan = serve.plan(s, v, p, report, foreground=foreground)
     serve.show(plan)
+    _fit(plan, env, refuse=box_check and not dry_run)
     if dry_run:
         return _dry_run(plan)
     if clear_cache:
@@ -173,6 +174,24 @@ def made_kind(p: profiles.Profile) -> str:
         if not seen.base:
             return ""
         seen = profiles.load(seen.base, seen.path.parent)
+
+
+def _fit(pl: serve.Plan, env: Mapping[str, str], refuse: bool) -> None:
+    """rig/plan/fit.py's verdict before the engine starts: a pool that cannot hold one request of max_model_len
+    stops the start (exit 2) unless the box check is skipped. A checkpoint it cannot read is left to vLLM."""
+    mib = fit.card_mib(pl.report.reading)
+    if pl.s.device == "cuda" and not mib:
+        say("fit: not estimated here (no card memory read); nox -s fit -- --card-memory 24GiB answers for a card")
+        return
+    try:
+        f = fit.estimate(pl.engine.argv, pl.engine.full_env(env), pl.s.device, pl.s.ckpt, mib)
+    except BadInput as exc:
+        say(f"fit: not estimated ({exc.message.split('. Fix:')[0]})")
+        return
+    for line in fit.lines(f):
+        say(f"fit: {line}")
+    if (why := fit.refusal(f, "start anyway with ./start.sh --skip-box-check")) and refuse:
+        raise BadInput(why)
 
 
 def _demo_model(s: Settings, env: Mapping[str, str], kind: str, dry_run: bool) -> None:
