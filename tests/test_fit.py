@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -147,3 +148,19 @@ def test_nox_fit_answers_for_four_cards_of_24_gib_and_refuses_a_bad_size(tmp_pat
     assert "layers a card: 3 state, 2 full" in r.out, r.out  # PP2: the last stage, layers 4-7 and the MTP head
     bad = run_rig(env, "fit", "--cards", "4", "--card-memory", "lots")
     assert bad.code == 2 and "--card-memory: expected a size such as 24GiB" in bad.err, bad.err
+
+
+def test_the_reference_on_four_24_gib_cards_on_paper(tmp_path):
+    """The reference profile on the reference box (four 24 GiB cards: TP2 x PP2 + EP) with a checkpoint of headers
+    alone in the shapes of Qwen3-Next-80B-A3B (tests/paper_reference.py): the verdict, printed for docs/serving.md."""
+    import paper_reference
+
+    size = paper_reference.make(tmp_path / "ckpt")
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "PROFILE", "CUDA_VISIBLE_DEVICES")}
+    env.update(PROFILE="reference", CKPT=str(tmp_path / "ckpt"), RIG_STATE=str(tmp_path / "state"))
+    r = run_rig(env, "fit", "--cards", "4", "--card-memory", "24GiB")
+    assert r.code == 0, r.out + r.err
+    weights = re.search(r"weights: ([\d,.]+) MiB in (\d+) tensors .*; ([\d,.]+) MiB a card at TP2 x PP2", r.out)
+    assert weights and abs(float(weights[1].replace(",", "")) * fit.MIB / size - 1) < 0.01, r.out
+    assert "layers a card: 18 state, 7 full" in r.out and "fits:" in r.out, r.out  # the last stage: 24 + MTP
+    print(f"\nthe reference on paper ({size / 2**30:.1f} GiB of W4A16 headers):\n{r.out}")
