@@ -311,6 +311,7 @@ class Refusal:
         self.env_file, self.lines = self.root / "etc/default/vllm", env_lines
 
     def __enter__(self) -> Refusal:
+        self.unit.svc("stop", timeout=300)  # from a stopped unit (a start of a running one does nothing)
         self.kept = self.env_file.read_text()
         self.drop.parent.mkdir(parents=True, exist_ok=True)
         self.drop.write_text("[Service]\nRestartSec=1\n")
@@ -348,11 +349,16 @@ def test_a_busy_port_is_restarted_until_the_start_limit(started):
     unit = started[0]
     burst = int(re.search(r"^StartLimitBurst=(\d+)", (unit.copy / "systemd" / "vllm.service").read_text(), re.M)[1])
     assert burst == int(unit.show("StartLimitBurst")["StartLimitBurst"])
-    holder = subprocess.Popen(["nsenter", "-t", str(unit.box.pid1()), "-a", "python3", "-c",
-                               "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', "
-                               f"{unit.env['PORT']})); s.listen(); time.sleep(600)"])
+    holder = None
     try:
-        with Refusal(unit, ""):
+        with Refusal(unit, ""):  # the unit stopped first: its engine held the port
+            holder = subprocess.Popen(["nsenter", "-t", str(unit.box.pid1()), "-a", "python3", "-c",
+                                       "import socket, time; s = socket.socket(); "  # past the engine's TIME_WAIT
+                                       "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', "
+                                       f"{unit.env['PORT']})); s.listen(); time.sleep(600)"])
+            unit.wait(lambda: unit.box.sh("bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{unit.env['PORT']}",
+                                          timeout=10).returncode == 0 or holder.poll() is not None, 30, "the holder")
+            assert holder.poll() is None, "the port's holder could not bind"
             cursor = unit.cursor()
             t0 = time.monotonic()
             assert unit.svc("start", timeout=300).returncode != 0
@@ -364,8 +370,9 @@ def test_a_busy_port_is_restarted_until_the_start_limit(started):
             assert unit.cgroup_procs() == [] and unit.engine() == []
             print(f"\nstart limit: {burst} starts, then systemd gave up ({time.monotonic() - t0:.0f} s)")
     finally:
-        holder.kill()
-        holder.wait()
+        if holder is not None:
+            holder.kill()
+            holder.wait()
 
 
 def test_uninstall_removes_the_unit(started):
