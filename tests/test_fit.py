@@ -92,7 +92,11 @@ def test_the_weights_are_every_tensors_bytes_the_mtp_head_apart(tmp_path):
     ("no safetensors", "a checkpoint with *.safetensors files"),
     ("a header longer than the file", "a safetensors header of at most"),
     ("an unknown dtype", "model.x: expected a dtype of"),
+    ("a shape that is not one", "model.x: expected a shape of whole numbers"),
+    ("a header that is a list", "expected a JSON object of tensors"),
+    ("an entry that is not a tensor", "model.x: expected a dtype of"),
     ("data the file does not hold", "model.x: expected 1,024 bytes"),
+    ("offsets that are not numbers", "model.x: expected 1,024 bytes"),
 ])
 def test_a_checkpoint_the_headers_refuse_is_exit_2_naming_the_file_and_the_tensor(tmp_path, case, want):
     c = tmp_path / "c"
@@ -102,6 +106,15 @@ def test_a_checkpoint_the_headers_refuse_is_exit_2_naming_the_file_and_the_tenso
         f.write_bytes(struct.pack("<Q", 10**6) + b"{}")
     elif case == "an unknown dtype":
         safetensors(f, {"model.x": ("Q4_K", [16])})
+    elif case == "a shape that is not one":
+        head = json.dumps({"model.x": {"dtype": "BF16", "shape": "512", "data_offsets": [0, 1024]}}).encode()
+        f.write_bytes(struct.pack("<Q", len(head)) + head + bytes(1024))
+    elif case in ("a header that is a list", "an entry that is not a tensor"):
+        head = json.dumps(["model.x"] if case == "a header that is a list" else {"model.x": 3}).encode()
+        f.write_bytes(struct.pack("<Q", len(head)) + head)
+    elif case == "offsets that are not numbers":
+        head = json.dumps({"model.x": {"dtype": "BF16", "shape": [512], "data_offsets": ["0", "1024"]}}).encode()
+        f.write_bytes(struct.pack("<Q", len(head)) + head + bytes(1024))
     elif case == "data the file does not hold":
         safetensors(f, {"model.x": ("BF16", [512])}, lie=1)
     with pytest.raises(BadInput) as e:
@@ -111,6 +124,24 @@ def test_a_checkpoint_the_headers_refuse_is_exit_2_naming_the_file_and_the_tenso
         assert str(f) in e.value.message
     safetensors(f, {"model.x": ("BF16", [512])})  # the fix: the file made again
     assert fit.weights(c).total == 1024
+
+
+def test_a_config_without_what_sizes_the_cache_is_exit_2_naming_the_key(tmp_path):
+    ckpt = checkpoint(tmp_path / "c")
+    good = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(json.dumps({k: v for k, v in json.loads(good).items()
+                                                  if k != "num_hidden_layers"}))
+    cmd = argv("--max-model-len", "4096")
+    with pytest.raises(BadInput) as e:
+        fit.estimate(cmd, {}, "cpu", ckpt)
+    assert e.value.code == 2 and "config.json" in e.value.message and "num_hidden_layers" in e.value.message
+    (ckpt / "config.json").write_text(good)  # the fix: a config that names its layers
+    assert fit.estimate(cmd, {}, "cpu", ckpt).fits
+    for bad in ("lots", "-1", "nan"):
+        with pytest.raises(BadInput) as e:
+            fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": bad}, "cpu", ckpt)
+        assert e.value.code == 2 and "VLLM_CPU_KVCACHE_SPACE: expected GiB" in e.value.message
+    assert fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": "1"}, "cpu", ckpt).fits  # the fix's value
 
 
 def test_a_pool_too_small_names_the_largest_context_and_following_it_fits(tmp_path):
@@ -148,6 +179,9 @@ def test_nox_fit_answers_for_four_cards_of_24_gib_and_refuses_a_bad_size(tmp_pat
     assert "layers a card: 3 state, 2 full" in r.out, r.out  # PP2: the last stage, layers 4-7 and the MTP head
     bad = run_rig(env, "fit", "--cards", "4", "--card-memory", "lots")
     assert bad.code == 2 and "--card-memory: expected a size such as 24GiB" in bad.err, bad.err
+    unread = run_rig(env, "fit", "--cards", "4")  # no driver here: no card memory to read
+    assert unread.code == 2 and "--card-memory: expected each card's memory" in unread.err, unread.err
+    assert "Fix: give it, e.g. scripts/nox.sh -s fit -- --card-memory 24GiB" in unread.err  # followed above
 
 
 def test_the_reference_on_four_24_gib_cards_on_paper(tmp_path):

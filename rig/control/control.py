@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 
 from rig.base.console import error, plain, say
+from rig.base.errors import BadInput, problem
 from rig.base.proc import alive
 from rig.facts import slots
 from rig.facts.config import Serve, Settings
@@ -108,9 +108,9 @@ def fit_report(env: Mapping[str, str], cards: int = 0, card_mib: float = 0.0) ->
     pl = serve.plan(s, v, p, report)
     card_mib = card_mib or fit.card_mib(report.reading)
     if s.device == "cuda" and not card_mib:
-        error("fit: no card here to read its memory: give --card-memory (for example --card-memory 24GiB)")
-        return 2
-    f = fit.estimate(pl.engine.argv, pl.engine.full_env(env), s.device, Path(s.ckpt), card_mib)
+        raise BadInput(problem("--card-memory", "each card's memory, read by NVML or given", "no card read here "
+                               "(no NVIDIA driver)", "give it, e.g. scripts/nox.sh -s fit -- --card-memory 24GiB"))
+    f = fit.estimate(pl.engine.argv, pl.engine.full_env(env), s.device, s.ckpt, card_mib)
     t = pl.topology
     where = f"TP{t.tp} x PP{t.pp}{' + EP' if t.ep else ''}" if s.device == "cuda" else "the CPU build"
     plain(f"fit: profile {p.name} ({p.path}), {where}, checkpoint {s.ckpt}")

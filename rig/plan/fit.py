@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from rig.base.errors import BadInput, problem
+from rig.plan import extraargs
 from rig.plan.box import Reading
 
 #: bytes of each safetensors dtype
@@ -72,18 +74,25 @@ def header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         try:
             table = json.loads(fh.read(n))
         except ValueError:
-            raise BadInput(problem(str(path), "a JSON header", "bytes that are not JSON", "make the file again")) \
-                from None
+            table = None
+    if not isinstance(table, dict):
+        raise BadInput(problem(str(path), "a JSON object of tensors as its header", "something else",
+                               "make the file again"))
     out = {}
     for name, meta in table.items():
         if name == "__metadata__":
             continue
+        meta = meta if isinstance(meta, dict) else {}  # not a tensor's entry: refused for its dtype below
         dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
         if dtype not in DTYPES:
             raise BadInput(problem(f"{path}: {name}", f"a dtype of {', '.join(DTYPES)}", repr(dtype),
                                    "convert the checkpoint to a dtype vLLM loads"))
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise BadInput(problem(f"{path}: {name}", "a shape of whole numbers", repr(shape),
+                                   "make the file again: its header does not match its data"))
         nbytes = math.prod(shape) * DTYPES[dtype]
-        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] - offsets[0] == nbytes
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and offsets[1] - offsets[0] == nbytes
                 and 8 + n + offsets[1] <= size):
             raise BadInput(problem(f"{path}: {name}", f"{nbytes:,} bytes ({dtype} x {shape}) inside the file",
                                    f"data_offsets {offsets} in a file of {size:,} bytes",
@@ -161,18 +170,8 @@ class Shape:
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
-    out, i = {}, 0
-    while i < len(argv):
-        if argv[i].startswith("--"):
-            key, eq, val = argv[i][2:].partition("=")
-            if eq:
-                out[key] = val
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                out[key], i = argv[i + 1], i + 1
-            else:
-                out[key] = ""
-        i += 1
-    return out
+    """The command's flags (without ``--``, aliases and underscores as vLLM reads them) and their values."""
+    return {flag.removeprefix("--"): value or "" for flag, value, _ in extraargs.options(argv) if flag}
 
 
 def shape(argv: list[str], device: str, config: Mapping) -> tuple[Shape, int, int]:
@@ -234,7 +233,6 @@ class Fit:
     shape: Shape
     tp: int
     pp: int
-    notes: list[str] = field(default_factory=list)
 
     @property
     def requests(self) -> float:
@@ -268,11 +266,23 @@ def estimate(argv: list[str], env: Mapping[str, str], device: str, ckpt: Path, c
         raise BadInput(problem(f"{ckpt}/config.json", "the checkpoint's config", f"none readable ({exc})",
                                "point CKPT at the checkpoint's folder")) from None
     w = weights(ckpt)
-    sh, tp, pp = shape(argv, device, config)
+    try:
+        sh, tp, pp = shape(argv, device, config)
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        raise BadInput(problem(f"{ckpt}/config.json", "the keys the KV cache is sized by (num_hidden_layers, "
+                               "num_attention_heads, head_dim ...), as numbers", f"{type(exc).__name__}: {exc}",
+                               "use a checkpoint whose config.json vLLM loads")) from None
     per_card = (w.total - w.whole) // (tp * pp) + w.whole
     util = float(_flags(argv).get("gpu-memory-utilization") or DEFAULT_UTILIZATION)
     if device == "cpu":
-        space = float(env.get("VLLM_CPU_KVCACHE_SPACE") or 4)
+        raw = env.get("VLLM_CPU_KVCACHE_SPACE") or "4"  # vLLM's default: 4 GiB
+        try:
+            space = float(raw)
+        except ValueError:
+            space = math.nan
+        if not (math.isfinite(space) and space > 0):
+            raise BadInput(problem("VLLM_CPU_KVCACHE_SPACE", "GiB for the CPU engine's KV cache, a number > 0",
+                                   repr(raw), "set it in the profile's [env], e.g. VLLM_CPU_KVCACHE_SPACE = \"1\""))
         pool, src = int(space * (1 << 30)), f"VLLM_CPU_KVCACHE_SPACE={space:g} GiB"
     else:
         pool = int(card_mib * MIB * util) - per_card - NON_KV_MIB * MIB
@@ -290,9 +300,7 @@ def card_mib(reading: Reading | None) -> float:
 
 def lines(f: Fit) -> list[str]:
     """The verdict as the rig prints it."""
-    kinds = {}
-    for lay in f.shape.layers:
-        kinds[lay.kind] = kinds.get(lay.kind, 0) + 1
+    kinds = Counter(lay.kind for lay in f.shape.layers)
     out = [f"weights: {f.weights.total / MIB:,.1f} MiB in {f.weights.tensors} tensors (MTP head "
            f"{f.weights.mtp / MIB:,.1f} MiB); {f.per_card_weights / MIB:,.1f} MiB a card at TP{f.tp} x PP{f.pp}",
            f"KV pool: {f.pool / MIB:,.0f} MiB ({f.pool_from}); layers a card: "
