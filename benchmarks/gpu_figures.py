@@ -54,6 +54,7 @@ from rig.running.health import health  # noqa: E402
 
 PROMPT = "Write a long story about the sea, the river and the town between them."
 SHARE = 0.28  # of the card for each engine of (c) and (d): three fit at once
+RESOLVE = 0.02  # the precision the decode ratio is read at: pairs are added until its interval is within it
 
 
 def free_port() -> int:
@@ -158,7 +159,7 @@ def resolved(ratios: list[float]) -> float:
 
 
 def interleaved(a: dict, b: dict, model: str, concurrency: int, pairs: tuple[int, int], tokens: int,
-                target: float = 0.02) -> dict:
+                target: float = RESOLVE) -> dict:
     """Rounds of ``a`` and ``b`` in the order a b b a ...; per pair the ratio a / b. At least ``pairs[0]`` pairs,
     then more until the median's 95% interval is within +/-``target`` of it or ``pairs[1]`` pairs are done: the
     median ratio, that half-width, and each side's median rate."""
@@ -217,9 +218,9 @@ class Said(list):
 
 
 def within(got: dict) -> str:
-    """The decode ratio's precision, and whether it resolves the 2% the figure is read at."""
+    """The decode ratio's precision, and whether it resolves what the figure is read at (RESOLVE)."""
     return (f"95% interval of the median +/-{got['within']:.1%} over {got['pairs']} pairs "
-            f"({'resolves' if got['within'] <= 0.02 else 'does not resolve'} 2%)")
+            f"({'resolves' if got['within'] <= RESOLVE else 'does not resolve'} {RESOLVE:.0%})")
 
 
 def memory_line(used: float, kv_gib: float, kv_tokens: int, share: str) -> str:
