@@ -68,7 +68,8 @@ BENCHMARKS = {
                             rf"^\(d\) the health check .*median of 3: .*\| ratio {X}",
                             rf"^\(e\) the demo model, bench.sh 32 8 '1 4' .*decode c=4 / c=1: {X}"), "cpu",
                            ("--serve",), 1200, (pytest.mark.engine,)),
-    "gpu_figures.py": Bench((rf"^\(a\) start to healthy, warm cache: .*: {X} \(target <= 1.05x\)",
+    "gpu_figures.py": Bench((rf"^\(a\) start to healthy, warm cache, \d+ pairs: .*: median {X}, pairs .*"
+                             r"\(target <= 1.05x\)",
                              rf"^\(b\) ./start.sh warm .*: {X} \(target <= 0.6x\)",
                              rf"^\(c\) decode at concurrency 1: .*: {X}, 95% interval of the median "
                              r"\+/-[\d.]+% over \d+ pairs",
