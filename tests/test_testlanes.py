@@ -15,10 +15,21 @@ from rig.base import testlanes
 
 def test_every_test_file_runs_in_exactly_one_lane() -> None:
     args = testlanes.lanes(ROOT)
-    ignored = {a.removeprefix("--ignore=") for a in args["main"]}
+    left_out = {a.split("=", 1)[1] for a in args["main"]}
     files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
-    assert set(args["serve"]) <= files and ignored == set(args["serve"])
-    assert all(a.startswith("--ignore=") for a in args["main"])  # main: everything else, new files too
+    assert {f.split("::")[0] for f in args["serve"]} <= files and left_out == set(args["serve"])
+    # main: everything else, new files too; a file whole, a single test by its node id
+    assert all(a.startswith("--deselect=" if "::" in a else "--ignore=") for a in args["main"])
+
+
+def test_a_test_the_serve_lane_takes_by_node_id_is_one_test_there_and_none_in_main() -> None:
+    ids = [f for f in testlanes.SERVE if "::" in f]
+    assert ids, "the lane serve takes no single test: this test has nothing to check"
+    main = testlanes.lanes(ROOT)["main"]
+    for lane, argv, want in (("serve", [ids[0]], 1), ("main", [*main, ids[0].split("::")[0]], 0)):
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *argv],
+                           cwd=ROOT, capture_output=True, text=True)
+        assert r.stdout.splitlines().count(ids[0]) == want, (lane, r.stdout[-2000:])
 
 
 def lane_files(tmp_path: Path, **tests: str) -> dict[str, list[str]]:

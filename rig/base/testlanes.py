@@ -31,8 +31,11 @@ from pathlib import Path
 from rig.base.console import echo, error, guard, note, plain
 from rig.base.errors import BadInput, problem
 
-#: The lane ``serve``'s files: the engine tests that start most engines. The lane ``main`` runs the rest.
-SERVE = ("tests/test_serve_real.py", "tests/test_ple_real.py", "tests/test_update_real.py")
+#: The lane ``serve``'s files, or single tests by pytest's node id: the engine tests that start most engines, and
+#: one engine benchmark's quick run (two-node starts), which evens the lanes' times (docs/testing.md). The lane
+#: ``main`` runs the rest.
+SERVE = ("tests/test_serve_real.py", "tests/test_ple_real.py", "tests/test_update_real.py",
+         "tests/test_benchmarks.py::test_the_benchmark_runs_in_quick_mode_and_prints_its_ratios[nodes_start]")
 DURATIONS = "--durations=25"
 PROGRESS_EVERY = 60.0
 NO_TESTS = 5  # pytest's exit status when it collected nothing
@@ -42,11 +45,11 @@ LANE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 def lanes(root: Path) -> dict[str, list[str]]:
     """Each lane's pytest arguments; ``root`` is the repository (the files of SERVE must be there)."""
-    missing = [f for f in SERVE if not (root / f).is_file()]
+    missing = [f for f in SERVE if not (root / f.split("::")[0]).is_file()]
     if missing:
         raise BadInput(problem("the lane serve's test files", "in tests/", f"none at {', '.join(missing)}",
                                "fix SERVE in rig/base/testlanes.py"))
-    return {"serve": list(SERVE), "main": [f"--ignore={f}" for f in SERVE]}
+    return {"serve": list(SERVE), "main": [f"--{'deselect' if '::' in f else 'ignore'}={f}" for f in SERVE]}
 
 
 def progress(log: Path) -> str:
