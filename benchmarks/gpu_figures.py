@@ -257,6 +257,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 pairs of 128 tokens, one warm start each")
     ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
     ap.add_argument("--start-pairs", type=int, default=3, help="warm starts of each, rig and bare, for (a) (default 3)")
+    ap.add_argument("--no-drafts", action="store_true", help="leave out (d), the [speculative] figure")
     ap.add_argument("--decode-only", action="store_true", help="no warm restart, so no (a) and (b)")
     a = ap.parse_args()
     pairs, tokens = ((2, 2), 128) if a.quick else ((a.pairs, max(a.pairs, a.max_pairs)), a.tokens)
@@ -297,7 +298,7 @@ def main() -> int:
                             f"rig_decode_c{c}": got["a"], f"bare_decode_c{c}": got["b"]})
             lines.append(f"(c) decode at concurrency {c}: through the rig {got['a']:.0f} tok/s, bare {got['b']:.0f} "
                          f"tok/s: {got['ratio']:.3f}x, {within(got)} (target 1.00x)")
-        if p.speculative:
+        if p.speculative and not a.no_drafts:
             engines.append(Bare({**shared, "PROFILE": made[1]}, work / "nospec.log", work / "bare-c"))
             for c in (1, 4):
                 got = interleaved(engines[0].env, engines[1].env, model, c, pairs, tokens)

@@ -19,6 +19,7 @@ from rig.build import demo, refshape
 from rig.plan import fit
 
 GIB = 1 << 30
+RAM = (32 * GIB, 30 * GIB)  # a box's RAM: total, available (0.92 of it is free)
 SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3})]
 
 
@@ -136,26 +137,48 @@ def test_a_config_without_what_sizes_the_cache_is_exit_2_naming_the_key(tmp_path
         fit.estimate(cmd, {}, "cpu", ckpt)
     assert e.value.code == 2 and "config.json" in e.value.message and "num_hidden_layers" in e.value.message
     (ckpt / "config.json").write_text(good)  # the fix: a config that names its layers
-    assert fit.estimate(cmd, {}, "cpu", ckpt).fits
-    for bad in ("lots", "-1", "nan"):
+    assert fit.estimate(cmd, {}, "cpu", ckpt, ram=RAM).fits
+    for bad in ("lots", "-1", "nan", "0.5", "0", "\u0661"):  # vLLM reads it with int(): whole GiB
         with pytest.raises(BadInput) as e:
-            fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": bad}, "cpu", ckpt)
+            fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": bad}, "cpu", ckpt, ram=RAM)
         assert e.value.code == 2 and "VLLM_CPU_KVCACHE_SPACE: expected GiB" in e.value.message
-    assert fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": "1"}, "cpu", ckpt).fits  # the fix's value
+        assert "a whole number > 0" in e.value.message and repr(bad) in e.value.message
+    assert fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": "1"}, "cpu", ckpt, ram=RAM).fits  # the fix's value
 
 
 def test_a_pool_too_small_names_the_largest_context_and_following_it_fits(tmp_path):
     ckpt = checkpoint(tmp_path / "c")
-    cmd = argv("--kv-cache-dtype", "fp8", "--max-model-len", "262144", "--block-size", "2048")
-    small = {"VLLM_CPU_KVCACHE_SPACE": "0.01"}
-    f = fit.estimate(cmd, small, "cpu", ckpt)
-    assert not f.fits and f.largest_context() == 20480
+    cmd = argv("--kv-cache-dtype", "fp8", "--max-model-len", "4194304", "--block-size", "2048")
+    small = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # 512 bytes a token (2 layers, K and V, 2 heads of 64, FP8)
+    f = fit.estimate(cmd, small, "cpu", ckpt, ram=RAM)
+    assert not f.fits and f.largest_context() == 2_097_152
     why = fit.refusal(f)
-    assert "lower max_model_len to 20,480" in why and "262,144" in why and "VLLM_CPU_KVCACHE_SPACE" in why
-    cmd[cmd.index("262144")] = "20480"
-    assert fit.estimate(cmd, small, "cpu", ckpt).fits and not fit.refusal(fit.estimate(cmd, small, "cpu", ckpt))
-    cmd[cmd.index("20480")] = "22528"  # one block more: not
-    assert not fit.estimate(cmd, small, "cpu", ckpt).fits
+    assert "lower max_model_len to 2,097,152" in why and "4,194,304" in why and "VLLM_CPU_KVCACHE_SPACE" in why
+    cmd[cmd.index("4194304")] = "2097152"
+    got = fit.estimate(cmd, small, "cpu", ckpt, ram=RAM)
+    assert got.fits and not fit.refusal(got)
+    cmd[cmd.index("2097152")] = "2099200"  # one block more: not
+    assert not fit.estimate(cmd, small, "cpu", ckpt, ram=RAM).fits
+
+
+def test_a_cpu_pool_the_ram_cannot_hold_is_refused_and_following_the_fix_fits(tmp_path):
+    """vLLM's CPU worker refuses at start a VLLM_CPU_KVCACHE_SPACE over the RAM available, and without it a
+    memory_utilization share of the RAM over what is available; the verdict says so first, and its fix clears it."""
+    ckpt = checkpoint(tmp_path / "c")
+    cmd = argv("--kv-cache-dtype", "fp8", "--max-model-len", "262144", "--block-size", "2048")
+    ram = (32 * GIB, 5 * GIB + 300 * fit.MIB)
+    f = fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": "8"}, "cpu", ckpt, ram=ram)
+    assert not f.fits and f.requests >= 1  # the pool would hold requests: the RAM is what stops it
+    why = fit.refusal(f)
+    assert "VLLM_CPU_KVCACHE_SPACE=8 GiB is more than the 5.3 GiB of RAM available" in why
+    assert "set VLLM_CPU_KVCACHE_SPACE in the profile's [env] to 5 (GiB) or less" in why
+    assert fit.lines(f)[-1].startswith("does not fit: VLLM_CPU_KVCACHE_SPACE=8 GiB")
+    assert fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": "5"}, "cpu", ckpt, ram=ram).fits  # the fix followed
+    auto = fit.estimate(cmd, {}, "cpu", ckpt, ram=ram)  # none set: 0.92 of 32 GiB asked, 5.3 available
+    assert not auto.fits and "memory_utilization 0.92 of the RAM is 29.4 GiB" in fit.refusal(auto)
+    assert fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": "5"}, "cpu", ckpt, ram=ram).fits
+    share = fit.estimate([*cmd, "--gpu-memory-utilization", "0.1"], {}, "cpu", ckpt, ram=ram)
+    assert share.fits and share.pool == -(-32 * GIB // 10) - share.per_card_weights - fit.CPU_NON_KV_MIB * fit.MIB
 
 
 def test_a_card_pool_is_its_share_less_the_weights_and_the_rest(tmp_path):

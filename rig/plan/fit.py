@@ -9,8 +9,10 @@ batch, drafts and parallelism) and the checkpoint's files, never an engine:
   ``get_max_concurrency_for_kv_cache_config``): every attention layer's blocks (full: the whole context; sliding:
   its window plus one batch, plus a block), every Gated DeltaNet layer's state blocks (2 + the drafts, prefix
   caching on), one page size for all (the largest), a KV head per rank at least;
-* the pool: ``VLLM_CPU_KVCACHE_SPACE`` on the CPU build; on a card, its memory at ``memory_utilization`` less the
-  weights and :data:`NON_KV_MIB`;
+* the pool: on the CPU build ``VLLM_CPU_KVCACHE_SPACE`` GiB, which must be free in the box's RAM, or without it
+  the RAM at ``memory_utilization`` (which must be free too) less the weights and :data:`CPU_NON_KV_MIB`, as
+  vLLM v0.30.0's CPU worker sizes it; on a card, its memory at ``memory_utilization`` less the weights and
+  :data:`NON_KV_MIB`;
 * the verdict: how many requests of ``max_model_len`` the pool holds (vLLM's "Maximum concurrency"), and the
   tokens it prints ("KV cache size: N tokens"); under one request it does not fit, and the fix names the largest
   ``max_model_len`` that would.
@@ -43,6 +45,10 @@ DEFAULT_BLOCK = {"cpu": 128, "cuda": 16}
 #: 21.38 GiB at 0.28 of torch's 81,089 MiB, weights 0.04 GiB, graphs 0.31 GiB), rounded up
 NON_KV_MIB = 1024
 MIB = 1 << 20
+#: what the CPU worker's own memory holds beyond the weights when vLLM sizes the pool from the RAM (no
+#: VLLM_CPU_KVCACHE_SPACE: the share of the RAM less the worker's RSS after its warm-up): torch, vLLM and one
+#: batch's activations, measured with the demo on this rig's 2-core box (benchmarks/fit.py), rounded up
+CPU_NON_KV_MIB = 2048
 #: --gpu-memory-utilization when the command has none: vLLM v0.30.0's CacheConfig default
 DEFAULT_UTILIZATION = 0.92
 #: what the driver keeps of a card's memory out of torch's sight: NVML's total 81,559 MiB, torch's 81,089 MiB on
@@ -233,6 +239,8 @@ class Fit:
     shape: Shape
     tp: int
     pp: int
+    short: str = ""  # why the engine would refuse to start before sizing its pool (the CPU build's RAM), or ''
+    ram: tuple[int, int] = (0, 0)  # the CPU build's: the box's RAM, total and available, in bytes
 
     @property
     def requests(self) -> float:
@@ -244,7 +252,7 @@ class Fit:
 
     @property
     def fits(self) -> bool:
-        return self.requests >= 1
+        return self.requests >= 1 and not self.short
 
     def largest_context(self) -> int:
         """The largest max_model_len (a multiple of the block) one request of which the pool holds."""
@@ -256,10 +264,12 @@ class Fit:
         return lo // self.shape.block * self.shape.block
 
 
-def estimate(argv: list[str], env: Mapping[str, str], device: str, ckpt: Path, card_mib: float = 0.0) -> Fit:
+def estimate(argv: list[str], env: Mapping[str, str], device: str, ckpt: Path, card_mib: float = 0.0,
+             ram: tuple[int, int] | None = None) -> Fit:
     """The verdict for the engine ``argv`` and its environment ``env`` on ``device``: the CPU pool from
-    VLLM_CPU_KVCACHE_SPACE; a card's from ``card_mib`` (torch's view of its memory) at the command's
-    --gpu-memory-utilization (vLLM's default without it)."""
+    VLLM_CPU_KVCACHE_SPACE or the RAM (``ram``: total and available bytes; this box's when None); a card's
+    from ``card_mib`` (torch's view of its memory) at the command's --gpu-memory-utilization (vLLM's default
+    without it)."""
     try:
         config = json.loads((ckpt / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -275,20 +285,46 @@ def estimate(argv: list[str], env: Mapping[str, str], device: str, ckpt: Path, c
     per_card = (w.total - w.whole) // (tp * pp) + w.whole
     util = float(_flags(argv).get("gpu-memory-utilization") or DEFAULT_UTILIZATION)
     if device == "cpu":
-        raw = env.get("VLLM_CPU_KVCACHE_SPACE") or "4"  # vLLM's default: 4 GiB
-        try:
-            space = float(raw)
-        except ValueError:
-            space = math.nan
-        if not (math.isfinite(space) and space > 0):
-            raise BadInput(problem("VLLM_CPU_KVCACHE_SPACE", "GiB for the CPU engine's KV cache, a number > 0",
-                                   repr(raw), "set it in the profile's [env], e.g. VLLM_CPU_KVCACHE_SPACE = \"1\""))
-        pool, src = int(space * (1 << 30)), f"VLLM_CPU_KVCACHE_SPACE={space:g} GiB"
-    else:
-        pool = int(card_mib * MIB * util) - per_card - NON_KV_MIB * MIB
-        src = (f"{card_mib:,.0f} MiB a card x {util:g} - the weights {per_card / MIB:,.0f} MiB - the rest "
-               f"{NON_KV_MIB} MiB")
+        ram = ram or host_ram()
+        pool, src, short = _cpu_pool(env, util, per_card, ram)
+        return Fit(w, per_card, max(pool, 0), src, sh, tp, pp, short, ram)
+    pool = int(card_mib * MIB * util) - per_card - NON_KV_MIB * MIB
+    src = f"{card_mib:,.0f} MiB a card x {util:g} - the weights {per_card / MIB:,.0f} MiB - the rest {NON_KV_MIB} MiB"
     return Fit(w, per_card, max(pool, 0), src, sh, tp, pp)
+
+
+def host_ram() -> tuple[int, int]:
+    """This box's RAM, total and available, in bytes (/proc/meminfo; vLLM's CPU worker reads its NUMA node's)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def _cpu_pool(env: Mapping[str, str], util: float, per_card: int, ram: tuple[int, int]) -> tuple[int, str, str]:
+    """The CPU engine's pool as vLLM v0.30.0 sizes it (vllm/platforms/cpu.py, v1/worker/cpu_worker.py), where it
+    comes from, and why the engine would refuse to start ('' when it would not)."""
+    total, available = ram
+    raw = env.get("VLLM_CPU_KVCACHE_SPACE", "")
+    gib = 1 << 30
+    if raw != "":  # vLLM reads it with int(): whole GiB
+        if not (raw.strip().isascii() and raw.strip().isdigit() and int(raw) > 0):
+            raise BadInput(problem("VLLM_CPU_KVCACHE_SPACE", "GiB for the CPU engine's KV cache, a whole number > 0 "
+                                   "(vLLM reads it with int())", repr(raw),
+                                   "set it in the profile's [env], e.g. VLLM_CPU_KVCACHE_SPACE = \"1\""))
+        pool = int(raw) * gib
+        short = "" if not total or pool <= available else (
+            f"VLLM_CPU_KVCACHE_SPACE={raw} GiB is more than the {available / gib:.1f} GiB of RAM available "
+            f"(of {total / gib:.1f} GiB); vLLM refuses it at start")
+        return pool, f"VLLM_CPU_KVCACHE_SPACE={raw} GiB; RAM available {available / gib:.1f} GiB", short
+    asked = math.ceil(total * util)
+    pool = asked - per_card - CPU_NON_KV_MIB * MIB
+    short = "" if asked <= available else (
+        f"memory_utilization {util:g} of the RAM is {asked / gib:.1f} GiB, more than the {available / gib:.1f} GiB "
+        "available; vLLM refuses it at start")
+    return pool, (f"RAM {total / gib:.1f} GiB x {util:g} - the weights {per_card / MIB:,.0f} MiB - the rest "
+                  f"{CPU_NON_KV_MIB} MiB (no VLLM_CPU_KVCACHE_SPACE)"), short
 
 
 def card_mib(reading: Reading | None) -> float:
@@ -305,7 +341,9 @@ def lines(f: Fit) -> list[str]:
            f"{f.weights.mtp / MIB:,.1f} MiB); {f.per_card_weights / MIB:,.1f} MiB a card at TP{f.tp} x PP{f.pp}",
            f"KV pool: {f.pool / MIB:,.0f} MiB ({f.pool_from}); layers a card: "
            + ", ".join(f"{n} {k}" for k, n in kinds.items()) + f"; block {f.shape.block}, page {f.shape.page:,} B"]
-    if f.fits:
+    if f.short:
+        out.append(f"does not fit: {f.short}")
+    elif f.fits:
         out.append(f"fits: {f.requests:.2f} requests of {f.shape.max_model_len:,} tokens, KV cache size "
                    f"{f.tokens:,} tokens")
     else:
@@ -317,6 +355,11 @@ def refusal(f: Fit, also: str = "") -> str:
     """Why a start stops before its engine (exit 2), or '' when it fits; ``also``: one more way out."""
     if f.fits:
         return ""
+    if f.short:
+        space = f.ram[1] >> 30
+        ways = [f"set VLLM_CPU_KVCACHE_SPACE in the profile's [env] to {space} (GiB) or less"] if space else []
+        return problem("the CPU engine's RAM", "its KV cache within the RAM available", f.short,
+                       ", or ".join([*ways, "free RAM", *([also] if also else [])]))
     longest = f.largest_context()
     ways = [f"lower max_model_len to {longest:,} (a profile of your own: base = the profile, max_model_len = "
             f"{longest})"] if longest else []
