@@ -17,8 +17,9 @@ from the checkpoint's headers, the plan and the card NVML reads; then, as ratios
 Targets: weights within 2%, tokens within 5%, and no "fits" verdict for an engine that then fails for memory.
 Cases (default): on the CPU build the demo and the PLE demo; on the CUDA build (a card) the GPU demo, the PLE GPU
 demo and reference-tiny, each as it is and at a second memory_utilization and max_model_len (a variant profile
-of this run, models/bench-fit-*.toml). --case PROFILE:memory_utilization=0.5;max_model_len=8192 names a case of
-your own. --quick: the CPU build's two cases (CI runs it on its CPU-built copy with --rig).
+of this run, models/bench-fit-*.toml); on the CPU also the demo without VLLM_CPU_KVCACHE_SPACE (the pool from
+the RAM). --case PROFILE:memory_utilization=0.5;max_model_len=8192 names a case of your own (unset=VAR: the
+engine without that variable). --quick: the demo and the PLE demo (CI runs it on its CPU-built copy with --rig).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 from rig.build import demo  # noqa: E402
 from rig.control.start import made_kind  # noqa: E402
 from rig.facts import profiles, slots  # noqa: E402
-from rig.plan import fit, serve  # noqa: E402
+from rig.plan import box, fit, serve  # noqa: E402
 from rig.running.enginerec import clear_runtime, fresh_runtime, terminate  # noqa: E402
 
-CPU_CASES = ("demo", "demo-ple")
+CPU_CASES = ("demo", "demo-ple", "demo:memory_utilization=0.2;unset=VLLM_CPU_KVCACHE_SPACE")
 GPU_CASES = tuple(f"{p}{extra}" for p in ("demo-gpu", "demo-ple-gpu", "reference-tiny")
                   for extra in ("", ":memory_utilization=0.5", ":max_model_len=8192"))
 GIB = 1 << 30
@@ -62,9 +63,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def card_here() -> bool:
+    try:
+        return bool(box.read_nvml().gpus)
+    except box.NoDriver:
+        return False
+
+
 def profile_of(case: str, n: int) -> str:
     """The profile a case names, or a variant of it with the case's keys (models/bench-fit-N.toml)."""
     name, _, keys = case.partition(":")
+    keys = ";".join(kv for kv in keys.split(";") if kv and not kv.startswith("unset="))
     if not keys:
         return name
     variant = f"bench-fit-{n}"
@@ -100,8 +109,9 @@ def ratio(predicted: float, measured: float | None) -> str:
 def measure(case: str, n: int, rig: Path, base_env: dict, work: Path, timeout: float) -> tuple[str, list[str]]:
     """One case: its line, and what in it misses a target."""
     profile = profile_of(case, n)
-    env = {**base_env, "PROFILE": profile, "PORT": str(free_port()), "RIG_STATE": str(work / f"state-{n}"),
-           "LOG": str(work / f"engine-{n}.log"), "VLLM_API_KEY": ""}
+    device = base_env.get("DEVICE") or profiles.load(profile).device  # each case on its profile's build
+    env = {**base_env, "DEVICE": device, "PROFILE": profile, "PORT": str(free_port()),
+           "RIG_STATE": str(work / f"state-{n}"), "LOG": str(work / f"engine-{n}.log"), "VLLM_API_KEY": ""}
     s = slots.settings(env, root=rig)
     v, p = serve.inputs(s, env)
     if kind := made_kind(p):
@@ -109,6 +119,9 @@ def measure(case: str, n: int, rig: Path, base_env: dict, work: Path, timeout: f
     report = serve.check_box(s, v, p, check=False)
     plan = serve.plan(s, v, p, report)
     engine_env = plan.engine.full_env(env)
+    for kv in case.partition(":")[2].split(";"):  # unset=VAR: the engine without it (vLLM's own default)
+        if kv.startswith("unset="):
+            engine_env.pop(kv.removeprefix("unset="), None)
     f = fit.estimate(plan.engine.argv, engine_env, s.device, s.ckpt, fit.card_mib(report.reading))
     fresh_runtime(s)
     try:
@@ -144,15 +157,16 @@ def main() -> int:
     ap.add_argument("--rig", type=Path, default=ROOT, help="the built copy of the rig (default: this one)")
     ap.add_argument("--case", action="append", help="PROFILE or PROFILE:KEY=VALUE;... (again for more)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds an engine may take to size its cache")
-    ap.add_argument("--quick", action="store_true", help="the CPU build's two cases (CI)")
+    ap.add_argument("--quick", action="store_true", help="the demo and the PLE demo on the CPU (CI)")
     a = ap.parse_args()
     rig = a.rig.resolve()
     env = {**os.environ, **({"DEVICE": "cpu"} if a.quick else {})}
-    device = env["DEVICE"] = slots.settings(env, root=rig).device
-    cases = a.case or (CPU_CASES if device == "cpu" else GPU_CASES)
+    device = env.get("DEVICE") or ("cuda" if card_here() else "cpu")
+    cases = a.case or (CPU_CASES[:2] if a.quick else CPU_CASES if device == "cpu" else GPU_CASES)
     made, misses = [], []
     work = Path(tempfile.mkdtemp(prefix="fit-bench-"))
-    print(f"fit: {len(cases)} case(s) on the {device} build of {rig}; engines' logs in {work}")
+    print(f"fit: {len(cases)} case(s) on {'a card' if device == 'cuda' else 'the CPU'} with {rig}; engines' logs "
+          f"in {work}")
     try:
         for n, case in enumerate(cases):
             if ":" in case:

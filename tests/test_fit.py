@@ -138,7 +138,7 @@ def test_a_config_without_what_sizes_the_cache_is_exit_2_naming_the_key(tmp_path
     assert e.value.code == 2 and "config.json" in e.value.message and "num_hidden_layers" in e.value.message
     (ckpt / "config.json").write_text(good)  # the fix: a config that names its layers
     assert fit.estimate(cmd, {}, "cpu", ckpt, ram=RAM).fits
-    for bad in ("lots", "-1", "nan", "0.5", "0", "\u0661"):  # vLLM reads it with int(): whole GiB
+    for bad in ("lots", "-1", "nan", "0.5", "0", "\u0661", ""):  # vLLM reads it with int(): whole GiB
         with pytest.raises(BadInput) as e:
             fit.estimate(cmd, {"VLLM_CPU_KVCACHE_SPACE": bad}, "cpu", ckpt, ram=RAM)
         assert e.value.code == 2 and "VLLM_CPU_KVCACHE_SPACE: expected GiB" in e.value.message

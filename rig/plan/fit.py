@@ -47,8 +47,9 @@ NON_KV_MIB = 1024
 MIB = 1 << 20
 #: what the CPU worker's own memory holds beyond the weights when vLLM sizes the pool from the RAM (no
 #: VLLM_CPU_KVCACHE_SPACE: the share of the RAM less the worker's RSS after its warm-up): torch, vLLM and one
-#: batch's activations, measured with the demo on this rig's 2-core box (benchmarks/fit.py), rounded up
-CPU_NON_KV_MIB = 2048
+#: batch's activations; 0.96 GiB measured with the (eager) demo on the 2-core box, 2026-12-07 ("0.96 GiB memory
+#: was consumed by non-kv usages"; benchmarks/fit.py's case without the variable), rounded up
+CPU_NON_KV_MIB = 1024
 #: --gpu-memory-utilization when the command has none: vLLM v0.30.0's CacheConfig default
 DEFAULT_UTILIZATION = 0.92
 #: what the driver keeps of a card's memory out of torch's sight: NVML's total 81,559 MiB, torch's 81,089 MiB on
@@ -306,9 +307,9 @@ def _cpu_pool(env: Mapping[str, str], util: float, per_card: int, ram: tuple[int
     """The CPU engine's pool as vLLM v0.30.0 sizes it (vllm/platforms/cpu.py, v1/worker/cpu_worker.py), where it
     comes from, and why the engine would refuse to start ('' when it would not)."""
     total, available = ram
-    raw = env.get("VLLM_CPU_KVCACHE_SPACE", "")
+    raw = env.get("VLLM_CPU_KVCACHE_SPACE")
     gib = 1 << 30
-    if raw != "":  # vLLM reads it with int(): whole GiB
+    if raw is not None:  # vLLM reads it with int() when it is set, empty too: whole GiB
         if not (raw.strip().isascii() and raw.strip().isdigit() and int(raw) > 0):
             raise BadInput(problem("VLLM_CPU_KVCACHE_SPACE", "GiB for the CPU engine's KV cache, a whole number > 0 "
                                    "(vLLM reads it with int())", repr(raw),
