@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -27,7 +28,7 @@ from rig.control import start as starting
 from rig.facts import config, slots
 from rig.plan import box
 from rig.plan.engine import runtime_dir
-from rig.running import enginerec, supervise
+from rig.running import enginerec, metrics, supervise
 from rig.running import health as health_mod
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
@@ -271,6 +272,9 @@ def test_a_foreground_engine_stopped_by_nox_stop_is_a_stop_not_a_crash(rig_env):
     proc, out, rec = _foreground_then(rig_env, stop)
     assert proc.returncode == 0 and "engine stopped by nox -s stop" in out, out
     assert not enginerec.group_members(rec["pgid"])
+    said = (Path(rig_env["RIG_STATE"]) / metrics.FOLDER / metrics.FILE).read_text()  # rig/running/metrics.py
+    assert "rig_engine_starts_total 1\n" in said and 'rig_engine_ends_total{cause="stopped"} 1\n' in said, said
+    assert re.search(r"^rig_engine_start_seconds [\d.]+$", said, re.M) and 'rig_build_info{' in said, said
 
 
 def test_a_foreground_engine_that_dies_on_its_own_exits_non_zero(rig_env):
@@ -279,6 +283,8 @@ def test_a_foreground_engine_that_dies_on_its_own_exits_non_zero(rig_env):
     proc, out, _ = _foreground_then(rig_env, lambda rec: os.killpg(rec["pgid"], signal.SIGKILL))
     assert proc.returncode != 0, out
     assert "stopped by nox -s stop" not in out and "engine stopped" not in out, out
+    said = (Path(rig_env["RIG_STATE"]) / metrics.FOLDER / metrics.FILE).read_text()
+    assert re.search(r'^rig_engine_ends_total\{cause="(killed|leader)"\} 1$', said, re.M), said
 
 
 def test_empty_log_keeps_the_output_on_the_terminal_and_warns_when_open(rig_env):

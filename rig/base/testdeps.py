@@ -16,7 +16,8 @@ from rig.base.console import note
 
 #: command -> Debian package
 DEBIAN = {"ccache": "ccache", "readelf": "binutils", "patch": "patch", "sha256sum": "coreutils", "zstd": "zstd",
-          "logrotate": "logrotate", "systemd-analyze": "systemd", "buildah": "buildah", "busybox": "busybox-static"}
+          "logrotate": "logrotate", "systemd-analyze": "systemd", "buildah": "buildah", "busybox": "busybox-static",
+          "promtool": "prometheus", "prometheus-node-exporter": "prometheus-node-exporter"}
 #: What the CPU image's run adds (``-m image``): podman runs it, with runc where crun refuses the host's cgroups.
 IMAGE_RUN = {"podman": "podman", "runc": "runc"}
 #: What the tests under a booted systemd add (``-m systemd``: tests/booted.py makes and boots the container).

@@ -21,11 +21,11 @@ from rig.build import demo
 from rig.build.buildlock import BuildLock
 from rig.build.steps import pipeline
 from rig.build.steps.order import steps
-from rig.facts import config, profiles, slots
+from rig.facts import config, profiles, record, slots
 from rig.facts.config import Serve, Settings
 from rig.nodes import part
 from rig.plan import box, engine, fit, serve
-from rig.running import enginerec, gpugate, logs, sdnotify, supervise
+from rig.running import enginerec, gpugate, logs, metrics, sdnotify, supervise
 from rig.running.health import connect_host
 
 
@@ -59,8 +59,12 @@ def run(s: Settings, env: Mapping[str, str], *, foreground: bool, dry_run: bool,
     if clear_cache:
         removed = engine.clear_cache(v.cache_root)
         say(f"cache: emptied {v.cache_root} ({', '.join(removed) or 'nothing there yet'})")
+    _build_info(s)
     if plan.gate:  # last, so that nothing between the wait and the engine's own memory reading takes long
-        gpugate.wait_free(box.read_nvml, plan.gate, v.gpu_wait)
+        waited = gpugate.wait_free(box.read_nvml, plan.gate, v.gpu_wait)
+        if waited:
+            metrics.add(s.state_dir, "rig_gpu_gate_waits_total")
+            metrics.add(s.state_dir, "rig_gpu_gate_wait_seconds_total", round(waited, 3))
     if v.nodes > 1:
         return part.run(plan, env)
     code = supervise.start(supervise.Launch.of(plan))
@@ -162,6 +166,15 @@ def demo_env(env: Mapping[str, str]) -> dict[str, str]:
             "demo: serving with the CPU build (DEVICE=cpu; ./build.sh makes it when needed)")
     env["PROFILE"] = demo.PROFILES.get(env["DEVICE"].strip(), "demo")  # a bad DEVICE: its own error, later
     return env
+
+
+def _build_info(s: Settings) -> None:
+    """rig_build_info: the build this start serves from, as its record has it (rig/running/metrics.py)."""
+    rec = record.load(s.record_dir, s.device)
+    inst, tree, ops = rec.install, rec.tree, rec.ops
+    metrics.put(s.state_dir, "rig_build_info", 1, only=True, version=inst.vllm_version if inst else "",
+                tree=tree.tree[:12] if tree else "", kernels=ops.ops_obj[:12] if ops else "", device=s.device,
+                torch=inst.torch if inst else "")
 
 
 def made_kind(p: profiles.Profile) -> str:

@@ -31,7 +31,7 @@ from rig.build.buildlock import held_alone
 from rig.facts.config import Serve, Settings
 from rig.plan.engine import Engine, runtime_dir
 from rig.plan.serve import Plan
-from rig.running import logs, sdnotify, watchdog
+from rig.running import logs, metrics, sdnotify, watchdog
 from rig.running.enginerec import (
     Record,
     already_running,
@@ -239,6 +239,7 @@ ENDINGS: dict[Ending, tuple[int, bool, str, str]] = {
 def report(s: Settings, rec: Record, ended: Ended) -> int:
     """Say how the engine ended (:data:`ENDINGS`), notify systemd, and return the supervisor's exit status."""
     code, is_error, words, notice = ENDINGS[ended.how]
+    metrics.add(s.state_dir, "rig_engine_ends_total", cause=ended.how.name.lower())
     left = f", leaving {ended.left} in its group (pid {rec.pgid})" if ended.left else ""
     text = words.format(status=ended.status, sig=_signal_name(ended.status), left=left,
                         log=s.log or "the output above")
@@ -416,6 +417,8 @@ def _wait_healthy(s: Settings, v: Serve, rec: Record, proc: subprocess.Popen, li
                 rec.ready = time.time()
                 save(s, rec)
                 say(f"ready in {time.monotonic() - t0:.1f} s: {last_detail}")
+                metrics.add(s.state_dir, "rig_engine_starts_total")
+                metrics.put(s.state_dir, "rig_engine_start_seconds", round(rec.ready - rec.started, 3))
                 if rec.capacity:
                     say(rec.capacity)
                 return
