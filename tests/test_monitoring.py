@@ -3,6 +3,7 @@ every metric they name one that exists (the rig's table, or vLLM v0.30.0's own l
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -54,3 +55,26 @@ def test_every_metric_the_rules_name_exists():
             assert name in metrics.METRICS, f"{name} is not in rig/running/metrics.py's METRICS"
         elif vllm.exists():
             assert f'"{name}"' in vllm.read_text(), f"{name} is not a metric of vLLM v0.30.0's loggers"
+
+
+def test_the_dashboard_has_what_grafana_needs_and_its_provisioning_names_it():
+    """Grafana cannot run here (docs/monitoring.md): its JSON is checked for the fields Grafana reads instead, and
+    every panel's datasource is the one the provisioning makes."""
+    dash = json.loads((MON / "grafana" / "dashboards" / "vllm-rig.json").read_text())
+    assert dash["uid"] and dash["title"] and isinstance(dash["schemaVersion"], int)
+    uid = re.search(r"uid: (\S+)", (MON / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())[1]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) >= 10
+    for p in dash["panels"]:
+        assert p["type"] and p["title"] and {"h", "w", "x", "y"} <= set(p["gridPos"]), p
+        assert p["datasource"]["uid"] == uid and p["targets"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)) and all(t["expr"] and t["datasource"]["uid"] == uid for t in p["targets"])
+    titles = " ".join(p["title"] for p in dash["panels"]).lower()
+    for want in ("tokens per second", "time to first token", "inter-token latency", "running and waiting",
+                 "kv cache", "prefix cache", "mtp", "ends by cause", "card memory", "card power"):
+        assert want in titles, want
+    provider = (MON / "grafana" / "provisioning" / "dashboards" / "vllm-rig.yml").read_text()
+    compose = (ROOT / "docker-compose.monitoring.yml").read_text()
+    path = re.search(r"path: (\S+)", provider)[1]
+    assert f"./monitoring/grafana/dashboards:{path}" in compose  # the folder Grafana loads is the one mounted

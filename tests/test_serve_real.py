@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import engine_like, free_port, vllm_named
+from conftest import ROOT, engine_like, free_port, vllm_named
 
 from rig.build import demo
 from rig.plan.engine import SERIES_VARS
@@ -151,6 +152,71 @@ def test_the_fit_said_before_the_start_is_the_pool_vllm_then_made(served):
     predicted, printed = (int(m.replace(",", "")) for m in (said[2], made[1]))
     assert abs(predicted / printed - 1) <= 0.05, (predicted, printed)
     print(f"\nfit: {predicted:,} tokens predicted, vLLM {printed:,} ({predicted / printed:.4f}x)")
+
+def prom_query(port: int, expr: str) -> list:
+    """Prometheus' HTTP API: the instant query's result (an empty list: no data)."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        data = json.loads(resp.read())
+    assert data["status"] == "success", data
+    return data["data"]["result"]
+
+
+def test_prometheus_scrapes_the_real_engine_and_every_dashboard_panel_has_data(served, tmp_path):
+    """Debian's prometheus and its node exporter (the rig's textfile collector) scrape the served demo under a
+    short load, with monitoring/prometheus.yml's jobs; then every panel of the Grafana dashboard is asked for
+    through Prometheus' HTTP API, and one that returns nothing fails, named. Panels whose description says what
+    they need (MTP drafts, a card's exporter, a start that waited for a card) are the ones the CPU demo cannot
+    fill: each is named in the output."""
+    dest, env, r, _, _ = served
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    prom, exporter = shutil.which("prometheus"), shutil.which("prometheus-node-exporter")
+    if not (prom and exporter):
+        pytest.skip("Debian's prometheus and prometheus-node-exporter are not installed (nox -s tests does as root)")
+    textfile = dest / ".rig" / "metrics"
+    assert (textfile / "vllm-rig.prom").is_file(), "the start wrote no rig metrics"
+    ne_port, prom_port = free_port(), free_port()
+    config = (ROOT / "monitoring" / "prometheus.yml").read_text()
+    for was, now in (("127.0.0.1:8000", f"127.0.0.1:{env['PORT']}"), ("127.0.0.1:9100", f"127.0.0.1:{ne_port}"),
+                     ("interval: 15s", "interval: 1s")):
+        config = config.replace(was, now)
+    (tmp_path / "prometheus.yml").write_text(config)
+    shutil.copy(ROOT / "monitoring" / "alerts.yml", tmp_path)
+    procs = [subprocess.Popen([exporter, f"--web.listen-address=127.0.0.1:{ne_port}", "--collector.disable-defaults",
+                               "--collector.textfile", f"--collector.textfile.directory={textfile}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+             subprocess.Popen([prom, f"--config.file={tmp_path}/prometheus.yml", f"--storage.tsdb.path={tmp_path}/data",
+                               f"--web.listen-address=127.0.0.1:{prom_port}"],
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if len(prom_query(prom_port, "up == 1")) == 2:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"prometheus did not scrape both jobs: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+        for i in range(6):  # a short load: the same prefix twice over, so the prefix cache is asked too
+            body = {"model": "demo", "prompt": "the sea and the river " * (4 + i % 2), "max_tokens": 8}
+            assert completion(env, body)[0] == 200
+        time.sleep(4)  # a few scrapes after the load: rate() needs two samples of each counter in its window
+        dash = json.loads((ROOT / "monitoring" / "grafana" / "dashboards" / "vllm-rig.json").read_text())
+        empty, needs = [], []
+        for panel in dash["panels"]:
+            if any(prom_query(prom_port, t["expr"]) for t in panel["targets"]):
+                continue
+            (needs if panel.get("description", "").startswith("Has data only") else empty).append(panel["title"])
+        print(f"\npanels without data on the CPU demo, as their description says: {needs}")
+        assert not empty, f"dashboard panels whose queries returned no data: {empty}"
+        assert prom_query(prom_port, 'rig_engine_starts_total >= 1'), "the rig's textfile did not reach Prometheus"
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+
 
 def test_a_chat_completion_answers_with_the_key_and_401_without_it(served):
     _, env, r, _, state = served
