@@ -76,6 +76,12 @@ def fit(session: nox.Session) -> None:
 
 
 @nox.session(**WORK)
+def report(session: nox.Session) -> None:
+    """One archive for a bug report: doctor, build records, series, profile, engine, versions, log tail; no secret."""
+    _rig(session, "report")
+
+
+@nox.session(**WORK)
 def stop(session: nox.Session) -> None:
     """Stop the engine: SIGTERM to its process group, SIGKILL after STOP_TIMEOUT, none left behind."""
     _rig(session, "stop")

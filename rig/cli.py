@@ -32,7 +32,8 @@ COMMAND_MODULES: dict[str, str] = {
     "bench": "rig.control.bench", "buildlock": "rig.build.buildlock", "bundle": "rig.build.bundle",
     "bundlewrite": "rig.control.bundlewrite", "control": "rig.control.control", "image": "rig.build.image",
     "logview": "rig.control.logview", "netif": "rig.base.netif", "patches": "rig.build.patches",
-    "profiles": "rig.facts.profiles", "raycluster": "rig.nodes.raycluster", "service": "rig.control.service",
+    "profiles": "rig.facts.profiles", "raycluster": "rig.nodes.raycluster", "report": "rig.control.report",
+    "service": "rig.control.service",
     "start": "rig.control.start", "steps.order": "rig.build.steps.order", "steps.pack": "rig.build.steps.pack",
     "steps.pipeline": "rig.build.steps.pipeline", "steps.runtime": "rig.build.steps.runtime",
     "update": "rig.control.update",
@@ -251,6 +252,16 @@ def _doctor(a: Args) -> int:
     return 0
 
 
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path.cwd(), help="the folder the archive goes to (default: here)")
+
+
+def _report(a: Args) -> int:
+    env = _use("start").profile_device(os.environ)  # the profile's build, as a start would take it
+    _use("report").write(slots.settings(env), env, a.out)
+    return 0
+
+
 def _fit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cards", type=int, default=0, help="answer for a box of N cards (default: this box's)")
     p.add_argument("--card-memory", default="", help="each card's memory as torch sees it, e.g. 24GiB or 80GB "
@@ -360,6 +371,10 @@ COMMANDS: dict[str, Command] = {
                       _doctor),
     "fit": Command("nox -s fit --", "Will it fit: the weights, the KV cache and the verdict per card for the plan a "
                    "start would make, before any engine starts (exit 2: it does not fit).", _fit, _fit_arguments),
+    "report": Command("nox -s report --", "One archive to attach to a bug report: the doctor's report, the build "
+                      "records, the series, the profile, the engine's command and record, the versions, the rig's "
+                      "metrics and the log's last lines; every secret replaced by <redacted>.", _report,
+                      _report_arguments),
     "logs": Command("vllm-logs.sh", "vLLM's stats lines, one coloured line per update.", _logs, _logs_arguments),
     "service": Command("scripts/install-as-service.sh", "Run the rig under systemd: the unit, its environment file, "
                        "the logrotate policy.", _service, _service_arguments),
