@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -28,7 +29,7 @@ from conftest import ROOT, free_port
 from rig import cli
 from rig.base.errors import BadInput
 from rig.control import bench
-from rig.control.bench import Cell, Request
+from rig.control.bench import Cell, Request, history
 
 DOUBLE = ROOT / "tests" / "engine_double.py"
 BENCH = ROOT / "benchmarks" / "bench.sh"
@@ -90,7 +91,8 @@ def base_env(assets: dict[str, Path], double: Double | None, **extra: str) -> di
     """The defaults path: PORT and MODEL_NAME name the double, CKPT holds the tokenizer."""
     env = {k: v for k, v in os.environ.items() if k not in OURS}
     env.update(CKPT=str(assets["ckpt"]), PORT=str(double.port if double else free_port()),
-               MODEL_NAME=double.name if double else "bench-double", **extra)
+               MODEL_NAME=double.name if double else "bench-double", RIG_STATE=str(assets["book"].parent / "state"),
+               **extra)
     return env
 
 
@@ -241,6 +243,24 @@ def test_previous_is_the_latest_complete_run_of_the_same_parameters(tmp_path):
     assert bench.previous(tmp_path, {**key, "pp": 1}) is None
 
 
+def test_the_history_flags_a_change_beyond_the_spread_and_compares_only_the_same_identity_but_tree(tmp_path):
+    ident = {"series": "s1", "tree": "t1", "kernels": "k", "torch": "2.11", "profile": "demo", "device": "cpu",
+             "card": "x86_64", "driver": "", "bench": {"pp": 1}}
+    history.save(tmp_path, ident, [bench.Cell(1, 0, "turn", gen=(100.0, 2.0), prompt=(500.0, 0.0))], "20260101-1")
+    history.save(tmp_path, {**ident, "profile": "other"}, [bench.Cell(1, 0, "turn", gen=(1.0, 0.0))], "20260101-2")
+    moved = {**ident, "series": "s2", "tree": "t2"}
+    lines = history.compared(tmp_path, moved, [bench.Cell(1, 0, "turn", gen=(90.0, 2.0), prompt=(505.0, 0.0))],
+                             "20260101-3")
+    assert lines[0] == "history: against 20260101-1 (tree t1 -> t2):"  # not the other profile's newer run
+    assert "generation: 100.0 -> 90.0 t/s (-10.0%), CHANGED: beyond 2 x the spread 2.8 t/s" in lines[1]
+    assert "prompt: 500.0 -> 505.0 t/s (+1.0%), measured once" in lines[2]
+    near = history.compared(tmp_path, moved, [bench.Cell(1, 0, "turn", gen=(97.0, 2.0))], "20260101-3")
+    assert "within the spread (2 x 2.8 t/s)" in near[1]
+    assert history.compared(tmp_path, {**ident, "card": "H100"}, [], "x")[0].startswith("history: no earlier run")
+    (history.folder(tmp_path) / "junk.json").write_text("{not json")  # passed over
+    assert [r["run"] for r in history.records(tmp_path)] == ["20260101-1", "20260101-2"]
+
+
 # --- end to end ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -325,6 +345,19 @@ def test_a_slower_server_is_flagged_against_the_previous_run(first, assets, tmp_
     assert any("| 1 | 0 | turn | generation |" in ln for ln in drops), md
     assert any("| 2 | 0 | turn | generation |" in ln for ln in drops), md
     assert "generation throughput at concurrency 1, depth 0 (turn) fell" in r.stderr
+    # the history under RIG_STATE: both runs, the same identity (the tree too), set side by side
+    hist = Path(base_env(assets, None)["RIG_STATE"]) / "bench-history"
+    recs = sorted(hist.glob("*.json"))
+    assert len(recs) >= 2 and (hist / "history.png").is_file()
+    ident = json.loads(recs[-1].read_text())["identity"]
+    assert {"series", "tree", "kernels", "torch", "profile", "device", "card", "driver", "bench"} <= set(ident)
+    assert ident["bench"]["pp"] == 256 and ident["bench"]["concurrency"] == [1, 2]
+    assert "history: against " in r.stdout and "(the same tree)" in r.stdout
+    assert re.search(r"c=1 depth 0 turn, generation: [\d.]+ -> [\d.]+ t/s \(-\d+\.\d%\), measured once", r.stdout)
+    again = run_bench(base_env(assets, None), "--compare", cwd=tmp_path)
+    assert again.returncode == 0 and "history: against " in again.stdout, again.stdout + again.stderr
+    plotted = json.loads(png_text(hist / "history.png")["Description"])
+    assert any(len(points) >= 2 for points in plotted.values())  # a cell over two runs at least
 
 
 def test_depth_sweep_with_prefix_caching_overrides_and_an_api_key(assets, tmp_path):

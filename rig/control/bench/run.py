@@ -20,13 +20,15 @@ from pathlib import Path
 
 from rig.base import atomic
 from rig.base.console import plain, warn
-from rig.base.errors import WorkFailed, problem
+from rig.base.errors import BadInput, WorkFailed, problem
+from rig.control.bench import history
 from rig.control.bench.book import serve_book
 from rig.control.bench.cells import cells, compare, comparison, previous, table
 from rig.control.bench.plot import plot, plot_series
 from rig.control.bench.preflight import Target, check
 from rig.control.bench.request import Request
 from rig.control.bench.tool import BOOT, TOOL_VERSION, run_tool
+from rig.facts import slots
 
 
 def _stamp(root: Path) -> str:
@@ -84,7 +86,23 @@ def run(req: Request, env: dict[str, str] | None = None) -> int:
         warn(f"{ch.what} throughput at concurrency {c}, depth {d} ({phase}) fell {-ch.percent:.1f} % "
              f"({ch.before:.1f} -> {ch.now:.1f} t/s) since {before[0]}")
     plain(f"results: {req.results / name}")
+    _history(env, req, rows, name)
     return 0
+
+
+def _history(env: dict[str, str], req: Request, rows: list, name: str) -> None:
+    """The run into the bench history, beside its baseline, and the history's plot; a history that cannot be
+    written is said, and the run (saved above) stands."""
+    try:
+        state = slots.settings(env).state_dir
+        ident = history.identity(env, req.key)
+        history.save(state, ident, rows, name)
+        for line in history.compared(state, ident, rows, name):
+            plain(line)
+        if (png := history.plot(state)) is not None:
+            plain(f"history: {png}")
+    except (BadInput, OSError, ValueError) as exc:
+        warn(f"history: this run is not in it ({exc})")
 
 
 def _measure(req: Request, t: Target, env: dict[str, str], work: Path) -> tuple[dict, str]:
