@@ -19,7 +19,8 @@ Cases (default): on the CPU build the demo and the PLE demo; on the CUDA build (
 demo and reference-tiny, each as it is and at a second memory_utilization and max_model_len (a variant profile
 of this run, models/bench-fit-*.toml); on the CPU also the demo without VLLM_CPU_KVCACHE_SPACE (the pool from
 the RAM). --case PROFILE:memory_utilization=0.5;max_model_len=8192 names a case of your own (unset=VAR: the
-engine without that variable). --quick: the demo and the PLE demo (CI runs it on its CPU-built copy with --rig).
+engine without that variable). --quick: the demo alone (CI runs it on its CPU-built copy with --rig; the PLE
+demo's figure is checked there on the engine tests/test_ple_real.py serves).
 """
 
 from __future__ import annotations
@@ -157,12 +158,12 @@ def main() -> int:
     ap.add_argument("--rig", type=Path, default=ROOT, help="the built copy of the rig (default: this one)")
     ap.add_argument("--case", action="append", help="PROFILE or PROFILE:KEY=VALUE;... (again for more)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds an engine may take to size its cache")
-    ap.add_argument("--quick", action="store_true", help="the demo and the PLE demo on the CPU (CI)")
+    ap.add_argument("--quick", action="store_true", help="the demo alone, on the CPU (CI)")
     a = ap.parse_args()
     rig = a.rig.resolve()
     env = {**os.environ, **({"DEVICE": "cpu"} if a.quick else {})}
     device = env.get("DEVICE") or ("cuda" if card_here() else "cpu")
-    cases = a.case or (CPU_CASES[:2] if a.quick else CPU_CASES if device == "cpu" else GPU_CASES)
+    cases = a.case or (CPU_CASES[:1] if a.quick else CPU_CASES if device == "cpu" else GPU_CASES)
     made, misses = [], []
     work = Path(tempfile.mkdtemp(prefix="fit-bench-"))
     print(f"fit: {len(cases)} case(s) on {'a card' if device == 'cuda' else 'the CPU'} with {rig}; engines' logs "

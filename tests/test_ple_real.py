@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -89,6 +90,21 @@ def test_a_prompt_holding_the_pad_token_has_finite_logits(ple_served):
     assert code == 200, text
     logprobs = json.loads(text)["choices"][0]["logprobs"]["token_logprobs"]
     assert len(logprobs) == 4 and all(math.isfinite(x) for x in logprobs), logprobs
+
+
+def test_the_fit_said_before_the_start_is_the_pool_vllm_then_made(ple_served):
+    """rig/plan/fit.py's verdict for the PLE demo (sliding and full attention layers, two of them sharing a cache),
+    printed before its engine started, against vLLM's own capacity line: benchmarks/fit.py's PLE case, on the
+    engine this module serves anyway."""
+    r = ple_served[3]
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    said = re.search(r"fit: fits: ([\d.]+) requests of [\d,]+ tokens, KV cache size ([\d,]+) tokens", r.stdout)
+    made = re.search(r"CPU KV cache size: ([\d,]+) tokens", r.stdout)
+    assert said and made, r.stdout[-4000:]
+    assert r.stdout.index(said[0]) < r.stdout.index("engine started")
+    predicted, printed = int(said[2].replace(",", "")), int(made[1].replace(",", ""))
+    assert abs(predicted / printed - 1) <= 0.05, (predicted, printed)
+    print(f"\nfit, PLE demo: {predicted:,} tokens predicted, vLLM {printed:,} ({predicted / printed:.4f}x)")
 
 
 def engine_group(env: dict) -> int:
