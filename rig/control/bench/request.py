@@ -68,7 +68,9 @@ def usage() -> str:
     lines += ["", "options of the rig (relative paths are taken from the repository root):",
               f"  --results-dir DIR   where the run folders go (default {DEFAULT_RESULTS})",
               f"  --book-file FILE    the text prompts are cut from (default RIG_CACHE/{BOOK_NAME}, prose the "
-              "rig generates: no network needed)", "",
+              "rig generates: no network needed)",
+              "  --compare           alone: the newest run of the bench history (RIG_STATE/bench-history) against "
+              "the last one that differs only in the patched tree; nothing is measured", "",
               "Every other argument goes to llama-benchy unchanged: --runs N, --enable-prefix-caching, --no-cache, "
               "--skip-coherence, --latency-mode, --book-url URL, ...", "The rig sets these itself:"]
     lines += [f"  {opt:15} {src}" for opt, src in FIXED.items()]
