@@ -6,7 +6,10 @@ run share one pin, and so the API key handling of the launch lives in one place.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from rig.base.console import plain
@@ -18,6 +21,7 @@ TOOL_VERSION = TOOL.partition("==")[2]
 #: transformers (~300 MB), which it only needs when ``tokenizers`` cannot read the tokenizer.
 TOOL_DEPS = ("aiohttp>=3.9", "numpy>=1.26", "pydantic>=2.12.5", "requests>=2.31", "tabulate>=0.9",
              "tokenizers>=0.15", "matplotlib>=3.8")
+END_GRACE = 5.0  # seconds llama-benchy has to stop after SIGINT before it is killed
 CACHED = "Saved text to cache: "  # llama-benchy's line naming its cached copy of a fetched book
 #: Runs llama-benchy with the API key taken from the environment, so it never shows on a command line.
 BOOT = ("import os, sys\nfrom llama_benchy.__main__ import main\nkey = os.environ.pop('RIG_BENCH_API_KEY', '')\n"
@@ -45,7 +49,7 @@ def run_tool(cmd: list[str], env: dict[str, str], own_book: bool) -> tuple[int, 
     """
     out: list[str] = []
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as p:
+                          bufsize=1) as p, _ended_with(p):
         assert p.stdout is not None
         for line in p.stdout:
             plain(line.rstrip("\n"))
@@ -53,3 +57,26 @@ def run_tool(cmd: list[str], env: dict[str, str], own_book: bool) -> tuple[int, 
             if own_book and line.startswith(CACHED):
                 Path(line.removeprefix(CACHED).strip()).unlink(missing_ok=True)
     return p.returncode, "".join(out)
+
+
+@contextlib.contextmanager
+def _ended_with(p: subprocess.Popen) -> Iterator[None]:
+    """llama-benchy ends with this process: on Ctrl-C, on SIGTERM (nox sends it when its child is slow to stop
+    after Ctrl-C) and on any error, it is sent SIGINT, then killed after :data:`END_GRACE` seconds. A run left
+    behind would hold the caller's output open and keep the server busy."""
+    def term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, term)
+    try:
+        yield
+    except BaseException:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(END_GRACE)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, before)
