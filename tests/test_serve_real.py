@@ -928,6 +928,16 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
     assert "Guard token_ids: 1, Guard positions: 0, Guard sampling: 1, Abliteration: per-layer" in log.read_text(
         errors="replace")
     assert "guard 1/0/1  abl per-layer" in shown.stdout, shown.stdout[-2000:]
+    # patch 0010: the same counts on /metrics, for a monitoring system; promtool finds nothing to say of them
+    with urllib.request.urlopen(f"http://127.0.0.1:{fg['PORT']}/metrics", timeout=30) as resp:
+        metrics_text = resp.read().decode()
+    trips = "vllm_series_guard_trips_total"
+    for line in (f'{trips}{{kind="token_ids"}} 1.0', f'{trips}{{kind="sampling"}} 1.0',
+                 f'{trips}{{kind="positions"}} 0.0', 'vllm_series_abliteration_info{direction="per-layer"} 1.0'):
+        assert line in metrics_text, [ln for ln in metrics_text.splitlines() if "series" in ln]
+    if promtool := shutil.which("promtool"):
+        lint = subprocess.run([promtool, "check", "metrics"], input=metrics_text, capture_output=True, text=True)
+        assert "vllm_series" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out[-3000:]

@@ -176,7 +176,8 @@ VARS: tuple[Var, ...] = (
         "values: `off` checks nothing; `warn` counts, logs the first of each kind and lets the request go on; "
         "`raise` answers 400 naming the check.", choice(*GUARDS), "guard", "serve", service=True),
     Var("COUNTERS", "0", "`1` adds the guard's counts and the abliteration status to the engine's stats line "
-        "(`./vllm-logs.sh` shows `guard T/P/S  abl NAME`).", flag, "counters", "serve", service=True),
+        "(`./vllm-logs.sh` shows `guard T/P/S  abl NAME`) and to its `/metrics`.", flag, "counters", "serve",
+        service=True),
     Var("START_TIMEOUT", "1800", "Seconds `./start.sh` waits for the first healthy answer (a first start "
         "compiles CUDA graphs).", whole, "start_timeout", "serve", service=True),
     Var("HANG_WINDOW", "300", "Seconds with requests pending and no token generated before the engine counts as "
