@@ -72,11 +72,15 @@ def _ended_with(p: subprocess.Popen) -> Iterator[None]:
         yield
     except BaseException:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
+            quiet = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
             try:
+                p.send_signal(signal.SIGINT)
                 p.wait(END_GRACE)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+            finally:
+                signal.signal(signal.SIGINT, quiet)
         raise
     finally:
         signal.signal(signal.SIGTERM, before)
