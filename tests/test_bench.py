@@ -499,10 +499,12 @@ def test_power_sweep_restores_after_ctrl_c(fake_smi, assets, tmp_path):
     double = Double(tmp_path, pace=2)  # one request of 500 tokens takes minutes
     try:
         env = {**base_env(assets, double), **smi_env}
+        # SIGINT as a terminal's user has it: a suite started in the background (`.ci/run &` from a script)
+        # inherits it ignored, and then neither the sweep's trap nor Python's KeyboardInterrupt can see Ctrl-C
         p = subprocess.Popen([str(SWEEP), "220 250", "64", "500", "--skip-coherence", "--runs", "1",
                               "--results-dir", str(tmp_path / "results"), "--book-file", str(assets["book"])],
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         seen = []
         for line in p.stdout:  # up to the measured requests (or the end, if the run stopped early)
             seen.append(line)
