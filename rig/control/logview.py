@@ -103,7 +103,7 @@ def follow(path: Path, start_lines: int, poll: float = 0.05, stop: float | None 
     """
     fh = open(path, "rb")
     ino = os.fstat(fh.fileno()).st_ino
-    yield from _tail(fh, start_lines)
+    yield from tail(fh, start_lines)
     seen = _before(fh, _MATCH)  # the bytes read last, to know logrotate's copy of this file
     buf = b""
     deadline = None if stop is None else time.monotonic() + stop
@@ -164,7 +164,7 @@ def _from_copy(path: Path, pos: int, seen: bytes) -> bytes:
         return b""
 
 
-def _tail(fh: IO[bytes], n: int) -> list[str]:
+def tail(fh: IO[bytes], n: int) -> list[str]:
     """The last ``n`` complete lines of an open file; leaves the file at its end."""
     fh.seek(0, os.SEEK_END)
     end = fh.tell()
@@ -213,7 +213,7 @@ def show(s: Settings, follow_file: bool, lines: int | None, since: str, file: st
             raise BadInput(problem(str(path), "the engine's log file", "no such file",
                                    "point LOG or --file at the engine's log (is the server started?)"))
         n = lines if lines is not None else 500
-        raw: Iterable[str | None] = follow(path, n) if follow_file else _tail(open(path, "rb"), n)
+        raw: Iterable[str | None] = follow(path, n) if follow_file else tail(open(path, "rb"), n)
     else:
         raw = docker_lines(s.container, since)
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rig.base import atomic
 from rig.base.console import say
-from rig.control import control
+from rig.control import control, logview
 from rig.facts import config, profiles, record
 from rig.facts.config import Settings
 from rig.plan import serve
@@ -59,9 +59,14 @@ def redact(text: str, hidden: set[str]) -> str:
     return SECRET_AFTER.sub(lambda m: m[1] + REDACTED, text)
 
 
-def _read(path: Path, tail: int = 0) -> str:
-    text = path.read_text(errors="replace")
-    return "\n".join(text.splitlines()[-tail:]) + "\n" if tail else text
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace")
+
+
+def _log_tail(path: Path) -> str:
+    """The log's last lines, read from its end (a log can be large)."""
+    with open(path, "rb") as fh:
+        return "\n".join(logview.tail(fh, LOG_LINES)) + "\n"
 
 
 def _run(cmd: list[str]) -> str:
@@ -122,7 +127,7 @@ def parts(s: Settings, env: Mapping[str, str]) -> dict[str, Callable[[], str]]:
         "engine-record.toml": lambda: _read(enginerec.pid_path(s)),
         "versions.txt": lambda: _versions(s),
         "metrics.prom": lambda: _read(metrics.folder(s.state_dir) / metrics.FILE),
-        "log-tail.txt": lambda: _read(Path(s.log), LOG_LINES) if s.log else "LOG is empty: the engine's output went "
+        "log-tail.txt": lambda: _log_tail(Path(s.log)) if s.log else "LOG is empty: the engine's output went "
                                                                                 "to its terminal\n",
     }
 

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from rig.base.errors import BadInput, problem
 from rig.plan import extraargs
 from rig.plan.box import Reading
@@ -295,12 +297,10 @@ def estimate(argv: list[str], env: Mapping[str, str], device: str, ckpt: Path, c
 
 
 def host_ram() -> tuple[int, int]:
-    """This box's RAM, total and available, in bytes (/proc/meminfo; vLLM's CPU worker reads its NUMA node's)."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return 0, 0
+    """This box's RAM, total and available, in bytes, as the box check reads it (vLLM's CPU worker reads its NUMA
+    node's)."""
+    mem = psutil.virtual_memory()
+    return mem.total, mem.available
 
 
 def _cpu_pool(env: Mapping[str, str], util: float, per_card: int, ram: tuple[int, int]) -> tuple[int, str, str]:
