@@ -170,11 +170,8 @@ def demo_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def _build_info(s: Settings) -> None:
     """rig_build_info: the build this start serves from, as its record has it (rig/running/metrics.py)."""
-    rec = record.load(s.record_dir, s.device)
-    inst, tree, ops = rec.install, rec.tree, rec.ops
-    metrics.put(s.state_dir, "rig_build_info", 1, only=True, version=inst.vllm_version if inst else "",
-                tree=tree.tree[:12] if tree else "", kernels=ops.ops_obj[:12] if ops else "", device=s.device,
-                torch=inst.torch if inst else "")
+    metrics.put(s.state_dir, "rig_build_info", 1, only=True, **record.labels(record.load(s.record_dir, s.device)),
+                device=s.device)
 
 
 def made_kind(p: profiles.Profile) -> str:

@@ -192,3 +192,10 @@ def save(state_dir: Path, rec: BuildRecord, device: str = "cuda") -> None:
              for name in TYPES if (out := getattr(rec, name)) is not None}
     text = "# Written by the rig after each build step.\n" + tomli_w.dumps({"steps": steps})
     atomic.write_text(path(state_dir, device), text)
+
+
+def labels(rec: BuildRecord) -> dict[str, str]:
+    """The build in short labels (the metrics' build info, the bench history's identity): vLLM's version, the
+    patched tree, the kernels key and torch; empty where a step is not recorded."""
+    return {"version": rec.install.vllm_version if rec.install else "", "tree": rec.tree.tree[:12] if rec.tree else "",
+            "kernels": rec.ops.ops_obj[:12] if rec.ops else "", "torch": rec.install.torch if rec.install else ""}

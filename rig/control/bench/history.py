@@ -19,13 +19,14 @@ import json
 import math
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 from rig.base import atomic
 from rig.control.bench.cells import Cell, cell_from_record
-from rig.facts import record, series, slots
+from rig.facts import record, series
+from rig.facts.config import Settings
 
 FOLDER = "bench-history"
 PLOT = "history.png"
@@ -38,21 +39,20 @@ def folder(state_dir: Path) -> Path:
     return state_dir / FOLDER
 
 
-def identity(env: Mapping[str, str], key: dict) -> dict:
+def identity(s: Settings, key: dict) -> dict:
     """What identifies a run: the build serving (series, tree, kernels, torch), the profile, the card or CPU and
     its driver, and the bench arguments ``key``."""
     from rig.plan import box  # psutil: the bench venv has it; `python3 -m rig.control.bench table` runs without
 
-    s = slots.settings(env)
-    rec = record.load(s.record_dir, s.device)
+    build = record.labels(record.load(s.record_dir, s.device))
     try:
         reading = box.read_nvml()
     except box.NoDriver:
         reading = None
     gpus = reading.gpus if reading else []
     return {"series": series.digest(series.patch_files(s.patches_dir))[:16],
-            "tree": rec.tree.tree[:12] if rec.tree else "", "kernels": rec.ops.ops_obj[:12] if rec.ops else "",
-            "torch": rec.install.torch if rec.install else "", "profile": s.profile, "device": s.device,
+            "tree": build["tree"], "kernels": build["kernels"], "torch": build["torch"], "profile": s.profile,
+            "device": s.device,
             "card": gpus[0].name if gpus else (platform.processor() or platform.machine()),
             "driver": reading.driver if gpus else "", "bench": key}
 

@@ -94,8 +94,8 @@ def _history(env: dict[str, str], req: Request, rows: list, name: str) -> None:
     """The run into the bench history, beside its baseline, and the history's plot; a history that cannot be
     written is said, and the run (saved above) stands."""
     try:
-        state = slots.settings(env).state_dir
-        ident = history.identity(env, req.key)
+        s = slots.settings(env)
+        state, ident = s.state_dir, history.identity(s, req.key)
         history.save(state, ident, rows, name)
         for line in history.compared(state, ident, rows, name):
             plain(line)
