@@ -276,10 +276,12 @@ def fresh(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cpu_build(fresh):
     """The fresh copy's first ``DEVICE=cpu ./build.sh``, beside its CUDA build: made once, by whichever test needs
-    it first (tests/test_real_cpu.py reads what this first build printed; the PLE tests serve on it)."""
+    it first (tests/test_real_cpu.py reads what this first build printed; the PLE tests serve on it). Python writes
+    no bytecode in its processes (``PYTHONDONTWRITEBYTECODE=1``, as some boxes set): the build's import check writes
+    the engine's anyway, which the engines of the benchmarks started on this copy then read."""
     dest, cuda, env = fresh
     assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
-    cpu_env = {**env, "DEVICE": "cpu"}
+    cpu_env = {**env, "DEVICE": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
     r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=cpu_env, capture_output=True, text=True,
                        timeout=3600)
     return dest, r, cpu_env

