@@ -936,7 +936,8 @@ def test_foreground_under_sigterm_ends_with_nothing_left_and_0001_warns_from_ins
         metrics_text = resp.read().decode()
     trips = "vllm_series_guard_trips_total"
     for line in (f'{trips}{{kind="token_ids"}} 1.0', f'{trips}{{kind="sampling"}} 1.0',
-                 f'{trips}{{kind="positions"}} 0.0', 'vllm_series_abliteration_info{direction="per-layer"} 1.0'):
+                 f'{trips}{{kind="positions"}} 0.0', 'vllm_series_abliteration_info{direction="per-layer"} 1.0',
+                 f'vllm_series_kv_scales_info{{sidecar="{scales}"}} 1.0'):
         assert line in metrics_text, [ln for ln in metrics_text.splitlines() if "series" in ln]
     if promtool := shutil.which("promtool"):
         lint = subprocess.run([promtool, "check", "metrics"], input=metrics_text, capture_output=True, text=True)
