@@ -127,3 +127,24 @@ def test_an_fp8_kv_cache_on_a_cpu_without_avx512_or_amx_takes_the_models_dtype_s
     assert kv == want
     assert ("needs AVX-512 or AMX" in why and "auto" in why) if want == "auto" else why == ""
     assert serve._kv_cache(config.settings({}), profiles.load("reference"))[0] == "fp8"  # a GPU box: the profile's
+
+
+def test_a_cpu_build_whose_torch_has_no_cuda_has_a_kernel_target(tmp_path):
+    """TORCH=host with a CPU-only torch: the toolchain step records torch_cuda "" every time, and the kernel
+    target refused it ("run the first steps"), which could never record anything else. The CPU target needs no
+    CUDA; a CUDA build without it is still refused."""
+    from rig.build.kernels.target import of_build
+    from rig.facts import record
+
+    venv = tmp_path / ".venv-cpu"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / "pyvenv.cfg").write_text("version_info = 3.13.1\n")
+    (venv / "lib" / "python3.13" / "site-packages" / "torch-2.11.0+cpu.dist-info").mkdir(parents=True)
+    rec = record.BuildRecord(tree=record.Tree(ops_obj="a" * 64), toolchain=record.Toolchain(torch_cuda=""))
+    env = {"RIG_STATE": str(tmp_path / "state"), "VENV_DIR": str(venv), "PATCHES_DIR": str(tmp_path / "patches")}
+    kt = of_build(config.settings({**env, "DEVICE": "cpu"}), rec)
+    assert (kt.device, kt.cuda, kt.torch, kt.python) == ("cpu", "none", "2.11.0+cpu", "3.13")
+    with pytest.raises(BadInput) as refused:
+        of_build(config.settings(env), rec)
+    assert "the toolchain step's torch_cuda" in refused.value.message

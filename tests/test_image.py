@@ -57,6 +57,11 @@ def test_the_cpu_variant_is_planned_from_the_cpu_builds_kernels_under_its_own_ta
     cmd = rig_image.build_command("buildah", s, "vllm:cpu", rig_image.DEFAULT_BASE, None)
     assert cmd[cmd.index("--build-context") + 1] == f"ops={ROOT / 'artifacts-cpu'}"
     assert "DEVICE=cpu" in cmd and cmd[cmd.index("-t") + 1] == "vllm:cpu"
+    # the route the build took goes to the Dockerfile too: the adopt's refusal names OPS_ROUTE as the fix
+    assert "OPS_ROUTE=auto" in cmd
+    routed = rig_image.build_command("buildah", config.settings({"OPS_ROUTE": "compile"}), "vllm:latest",
+                                     rig_image.DEFAULT_BASE, None)
+    assert routed[routed.index("OPS_ROUTE=compile") - 1] == "--build-arg"
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ARG DEVICE=cuda" in dockerfile and "ENV DEVICE=${DEVICE}" in dockerfile
 

@@ -123,10 +123,16 @@ def test_a_worker_with_the_heads_build_joins_and_one_that_differs_is_named_with_
                                             "address": "10.0.0.3"})
     assert code == 409 and body["error"] == f"node 2 (10.0.0.3) differs from the head: OPS_OBJ: head {'o' * 64}, " \
                                             f"this node {'x' * 64}"
+    assert body["fix"] == "run ./build.sh on the node from the head's commit (the same series)"
     code, body = call(base, "/join", {"rank": 3, "identity": HEAD})
     assert code == 400 and "NODE_RANK: expected 1 to 2 (NODES=3 at the head), found 3" in body["error"]
-    with pytest.raises(BadInput, match="node 2: expected the head's build and checkpoint, found OPS_OBJ"):
+    assert "NODE_RANK from 1 to NODES-1" in body["fix"]  # a build would not change the rank
+    with pytest.raises(BadInput, match="node 2: expected the head's build and checkpoint, found OPS_OBJ") as e:
         nodes_registry.wait_for_workers(serve(NODES="3"), role)
+    assert "Fix: run ./build.sh on the node from the head's commit" in e.value.message
+    # the fix followed: the node's build is now the head's, and it joins
+    assert call(base, "/join", {"rank": 2, "identity": HEAD, "address": "10.0.0.3"})[0] == 200
+    assert "2" not in call(base, "/state")[1]["refused"]
 
 
 def test_every_difference_is_named():
@@ -134,6 +140,12 @@ def test_every_difference_is_named():
     assert [d.split(":")[0] for d in client.differences(HEAD, node)] == [
         "tree id", "device", "cards", "the checkpoint's config.json sha256"]
     assert client.differences(HEAD, dict(HEAD)) == []
+    # each kind of difference its own fix: no build changes the cards or the checkpoint
+    assert client.fix(HEAD, node).split("; ") == [
+        "run ./build.sh on the node from the head's commit (the same series)", "set DEVICE as on the head",
+        "give the node as many cards as the head (CUDA_VISIBLE_DEVICES)", "point CKPT at the same checkpoint as the "
+        "head's"]
+    assert client.fix(HEAD, {**HEAD, "tree": "u" * 40, "ops_obj": "x" * 64}).count("./build.sh") == 1
 
 
 def test_start_stop_and_health_flow_through_the_registry(registry):

@@ -91,3 +91,30 @@ def test_cpu_tarball_carries_the_device_and_a_cuda_target_refuses_it(cpu_build, 
     assert f'arch = "{platform.machine()}"' in manifest and cpu_target["arch"] == platform.machine()
     ok = verify_cli(dest / "artifacts-cpu", tmp_path / "ok", **cpu_target)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_with_pack_0_the_image_asks_for_the_pack_and_nox_pack_makes_it(cpu_build):
+    """PACK=0 skips ./build.sh's pack; the image's refusal names the command that packs anyway, and following it
+    clears the refusal (``nox -s pack`` names the step, so PACK=0 does not skip it there)."""
+    from rig.base.errors import BadInput
+    from rig.build import image as rig_image
+
+    dest, _, cpu_env = cpu_build
+    env = {**cpu_env, "PACK": "0"}
+    manifest = dest / "artifacts-cpu" / "manifest.toml"
+    manifest.unlink()
+    r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not manifest.exists()  # PACK=0: the build did not pack
+    s, im = config.settings(env, root=dest), config.image_settings(env)
+    with pytest.raises(BadInput) as refused:
+        rig_image.plan(s, im)
+    assert "with PACK=0, scripts/nox.sh -s pack does" in refused.value.message
+    p = subprocess.run([str(dest / "scripts" / "nox.sh"), "-s", "pack"], cwd=dest, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    assert manifest.is_file()
+    try:
+        rig_image.plan(s, im)
+    except BadInput as exc:  # no builder on this box, say: another refusal, not the kernels'
+        assert "the kernels in" not in exc.message, exc.message

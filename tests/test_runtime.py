@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT, run_rig
 
 from rig.base import venvs
+from rig.base.errors import BadInput
 from rig.build.steps import runtime
 from rig.facts import config, uv
 
@@ -37,6 +38,19 @@ def edited(small_lock: Path, tmp_path: Path, fn) -> str:
     p = tmp_path / "runtime.lock"
     p.write_text(fn(small_lock.read_text()))
     return str(p)
+
+
+def test_a_lock_with_uv_turned_off_says_unset_it_and_unset_it_resolves(tmp_path, monkeypatch):
+    """The wrapper puts a uv on PATH but leaves UV=0 as it is: the fix must be to unset it, not the wrapper."""
+    monkeypatch.setenv("PATH", f"{Path(uv.find(ROOT)).parent}:{os.environ.get('PATH', '')}")  # as scripts/nox.sh
+    env = {**os.environ, "UV": "0", "RUNTIME_LOCK": str(tmp_path / "runtime.lock")}
+    s = config.settings(env)
+    with pytest.raises(BadInput) as refused:
+        runtime.make_lock(s, uv.resolve(s), s.runtime_lock, ["six==1.16.0"])
+    assert "UV=0, which turns uv off" in refused.value.message and "unset UV" in refused.value.message
+    del env["UV"]  # the fix followed
+    s = config.settings(env)
+    assert runtime.make_lock(s, uv.resolve(s), s.runtime_lock, ["six==1.16.0"]) == 1
 
 
 def test_lock_pins_every_requirement_with_hashes(small_lock):

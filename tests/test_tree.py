@@ -236,7 +236,7 @@ def test_a_plain_diff_is_not_a_mail_patch(series, rig_env):
         "--- a/README.md\n+++ b/README.md\n@@ -1 +1 @@\n-fixture upstream\n+changed\n")
     r = run_rig(rig_env, "tree")
     assert r.code == 2
-    assert "0001-plain.patch" in r.err and "mail-format" in r.err and "git format-patch" in r.err
+    assert "0001-plain.patch" in r.err and "mail-format" in r.err and "patches -- new" in r.err
 
 
 def test_a_patch_without_the_number_prefix_is_refused(series, rig_env):
@@ -314,6 +314,43 @@ def test_local_edits_are_refused_and_kept(series, rig_env, tmp_path, edit):
     assert git(vllm, "rev-parse", "HEAD") == head
 
 
+@pytest.mark.parametrize("edit", ["uncommitted", "committed"])
+def test_following_the_local_edits_fix_exports_them_and_the_tree_is_current(series, rig_env, tmp_path, edit):
+    """The fix the refusal names, followed as written: commit in vllm/, then ``patches new``: the edit is a patch
+    of the series, its tree recorded, and the tree step is current."""
+    assert run_rig(rig_env, "tree").code == 0
+    vllm = tmp_path / "vllm"
+    (vllm / "README.md").write_text("my local change\n")
+    if edit == "committed":
+        git(vllm, "commit", "-q", "-am", "readme: my change")
+    r = run_rig(rig_env, "tree")
+    assert r.code == 2 and "scripts/nox.sh -s patches -- new SHORT-NAME" in r.err, r.text
+    if edit == "uncommitted":
+        git(vllm, "commit", "-q", "-am", "readme: my change")
+    exported = run_rig(rig_env, "patches", "new", "readme")
+    assert exported.code == 0, exported.text
+    again = run_rig(rig_env, "tree")
+    assert again.code == 0, again.text
+    assert "runs:" not in again.out and (vllm / "README.md").read_text() == "my local change\n"
+    assert [p.name for p in series.patches.glob("*-readme.patch")]
+
+
+def test_a_plain_diff_moved_out_and_exported_as_the_fix_says_is_current(series, rig_env, tmp_path):
+    assert run_rig(rig_env, "tree").code == 0
+    plain = series.patches / "0001-plain.patch"
+    plain.write_text("--- a/README.md\n+++ b/README.md\n@@ -1 +1 @@\n-fixture upstream\n+changed\n")
+    r = run_rig(rig_env, "tree")
+    assert r.code == 2 and "move it out of" in r.err and "patches -- new SHORT-NAME" in r.err, r.text
+    plain.rename(tmp_path / plain.name)
+    vllm = tmp_path / "vllm"
+    applied = subprocess.run(["git", "apply", str(tmp_path / plain.name)], cwd=vllm, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    git(vllm, "commit", "-q", "-am", "readme: changed")
+    exported = run_rig(rig_env, "patches", "new", "readme")
+    assert exported.code == 0, exported.text
+    assert run_rig(rig_env, "tree").code == 0
+
+
 def test_vllm_dir_that_is_not_a_repository_is_refused(series, rig_env, tmp_path):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "notes.txt").write_text("mine\n")
@@ -352,6 +389,14 @@ def test_bad_series_toml(series, rig_env, case):
     r = run_rig(rig_env, "tree")
     assert r.code == 2, r.text
     assert want in r.err and "series.toml" in r.err and "Fix:" in r.err
+    if case in ("no-table", "bad-tree"):  # the fix followed: the table gone, then the built tree recorded
+        if case == "bad-tree":
+            assert "delete the [expected.git] table" in r.err
+            series.write_toml({})
+        assert "./build.sh --only tree --accept" in r.err
+        accepted = run_rig(rig_env, "tree", "--accept")
+        assert accepted.code == 0, accepted.text
+        assert run_rig(rig_env, "tree").code == 0
 
 
 def test_second_build_is_told_who_holds_the_lock(series, rig_env, tmp_path):

@@ -44,7 +44,7 @@ REQUIRED = ("device", "ops_obj", "tree", "route", "arch", "python", "cuda", "tor
 COUNTS = ("files", "bytes")  # the manifest's integer fields
 SUM_LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
 ZSTD_LEVEL = "3"
-REPACK = "pack again with nox -s pack (the file was edited, or is not the rig's)"
+REPACK = "pack again: scripts/nox.sh -s pack -- --force (the file was edited, or is not the rig's)"
 
 
 class Refused(BadInput):

@@ -55,8 +55,9 @@ def adopt(s: config.Settings, artifacts_dir: Path) -> int:
     facts, way, why = route.facts(s, rec, series.load(s.patches_dir))
     if manifest["route"] != way:
         raise BadInput(problem(f"{artifacts_dir / artifacts.MANIFEST}: route", f"{way!r} ({why})",
-                               repr(manifest["route"]), f"build the image with --build-arg "
-                               f"OPS_ROUTE={manifest['route']}, or pack again with the route the image takes"))
+                               repr(manifest["route"]), f"build the image with OPS_ROUTE={manifest['route']} "
+                               "scripts/nox.sh -s image (a --build-arg of the same name to the builder), or pack "
+                               "again with the route the image takes"))
     say("installing vllm editable, no extension built (the verified kernels are in the tree already)")
     pip.install(s, rec, "none", facts["version"], None, "editable install")
     version, wrong = venvs.installed_vllm(s.venv_dir, s.vllm_dir)

@@ -124,7 +124,8 @@ def build_command(builder: str, s: Settings, tag: str, base: str, ca: Path | Non
             # container; crun on a host with hybrid cgroups)
             "podman": ["podman", "build", "--format", "docker", "--layers", "--isolation", "chroot"],
             "buildah": ["buildah", "bud", "--format", "docker", "--layers", "--isolation", "chroot"]}[builder]
-    build_args = {"BASE_IMAGE": base, "DEVICE": s.device, "ARCH": s.arch, "MAX_JOBS": s.max_jobs}
+    build_args = {"BASE_IMAGE": base, "DEVICE": s.device, "ARCH": s.arch, "MAX_JOBS": s.max_jobs,
+                  "OPS_ROUTE": s.ops_route}
     args = [*head, "-f", str(s.root / "Dockerfile"), "-t", tag, "--build-context", f"ops={s.artifacts_dir}",
             *(x for k, val in build_args.items() for x in ("--build-arg", f"{k}={val}"))]
     if ca:
@@ -138,8 +139,8 @@ def plan(s: Settings, im: Image) -> Plan:
     if not (ops / artifacts.MANIFEST).is_file() or not (ops / artifacts.SUMS).is_file():
         raise BadInput(problem(f"the kernels in {ops}", f"{artifacts.MANIFEST} and {artifacts.SUMS} (route 1)",
                                "none", f"run {'DEVICE=cpu ' if s.device == 'cpu' else ''}./build.sh first (it packs "
-                               "them); route 2, the compile inside the image, is the Dockerfile's own: "
-                               "docs/container.md"))
+                               "them; with PACK=0, scripts/nox.sh -s pack does); route 2, the compile inside the "
+                               "image, is the Dockerfile's own: docs/container.md"))
     builder, passed = choose_builder(im.builder)
     storage = disk_check(builder, s)
     base, make, why = im.base_image, False, "the builder holds it"

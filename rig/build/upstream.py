@@ -177,7 +177,9 @@ def base_from_sdist(repo: Git, sdist: Path, version: str, tag: str, sha: str) ->
                 continue
             if not m.name.startswith(top):
                 raise BadInput(problem(f"{sdist}: member {m.name!r}", f"a name under {top}", m.name,
-                                       "the file is not vLLM's sdist: delete it and run again"))
+                                       f"this is not vLLM's {version} sdist, though its sha256 was the one "
+                                       "asked for (a download again brings the same file): check INDEX_URL and "
+                                       f"series.toml's [upstream] sdist_sha256 against PyPI's vllm-{version}.tar.gz"))
             members.append(tarsafe.renamed(m, name=m.name[len(top):]))
         tarsafe.extract_all(tf, repo.path, members)
     repo.run("add", "--all", "--force", ".")

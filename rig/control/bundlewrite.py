@@ -32,6 +32,7 @@ from rig.build.kernels import target
 from rig.build.steps import runtime
 from rig.facts import record
 from rig.facts.config import Settings
+from rig.facts.uv import absent as uv_absent
 
 NOXFILE = REPO_ROOT / "noxfile.py"
 
@@ -114,8 +115,8 @@ def compile_pins(s: Settings, uv: str | None, python: str, requirements: list[st
                  no_deps: bool = False) -> runtime.Lock:
     """``requirements`` resolved and hashed for CPython ``python`` on the lock's platform, written to ``out``."""
     if not uv:
-        raise BadInput(problem("uv", "on PATH (the bundle resolves the wrappers' own environments with it)",
-                               "not found", "run it as scripts/nox.sh -s pack -- --offline DIR"))
+        raise uv_absent(s, "the bundle resolves the wrappers' own environments with it",
+                             "scripts/nox.sh -s pack -- --offline DIR")
     src = out.with_suffix(".in")
     atomic.write_text(src, "\n".join(requirements) + "\n")
     cmd = [uv, "pip", "compile", "--quiet", "--generate-hashes", "--no-header", "--no-annotate", "--python-version",
@@ -180,7 +181,7 @@ def kernels(src: Path, manifest: dict, dest: Path) -> None:
         return
     if (found := sha256_file(tar)) != manifest["tarball_sha256"]:
         raise BadInput(problem(str(tar), f"sha256 {manifest['tarball_sha256']} (its manifest's)", found,
-                               "run ./build.sh (its pack step packs again)"))
+                               "pack it again: scripts/nox.sh -s pack -- --force"))
     gz = dest / artifacts.TARBALLS[1]
     say(f"bundle: the kernels recompressed as {gz.name} ({manifest['bytes'] / 1e6:.0f} MB to read)")
     with verify.decompressed(tar) as raw, open(gz, "wb") as fh, \
@@ -210,7 +211,8 @@ def write(s: Settings, dest: Path, part_size: int | None, python: str | None, uv
     if manifest.get("ops_obj") != kt.ops_obj or manifest.get("torch") != kt.torch:
         raise BadInput(problem(f"{s.artifacts_dir}", f"the kernels of this build (OPS_OBJ {kt.ops_obj[:12]}, torch "
                                f"{kt.torch})", f"OPS_OBJ {str(manifest.get('ops_obj'))[:12]}, torch "
-                               f"{manifest.get('torch')}", "run ./build.sh (its pack step) first"))
+                               f"{manifest.get('torch')}", "run scripts/nox.sh -s pack first (./build.sh packs "
+                               "too, unless PACK=0)"))
     if not serves(str(manifest.get("python")), python):
         raise BadInput(problem("--python", f"a Python the kernels load under ({manifest.get('python')})", python,
                                "write the bundle for one of those, or build for that Python"))

@@ -170,7 +170,8 @@ def rollback(env: Mapping[str, str], engine: Engine) -> int:
     python = previous.venv_dir / "bin" / "python"
     if not python.exists():
         raise BadInput(problem(f"the previous build ({previous.describe()})", f"its venv at {previous.venv_dir}",
-                               "missing", "build it again with nox -s update"))
+                               "missing", "build the checkout again beside the current build with nox -s update -- "
+                               "--force (it becomes the previous build to roll back to)"))
     with _lock(s):
         _switch(s, engine, previous, (current, previous), "rollback")
     return 0

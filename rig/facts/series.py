@@ -139,7 +139,9 @@ def load(patches_dir: Path) -> Series:
         tree = _need(table, "tree", f"expected.{source}", path)
         if not TREE_ID.match(tree):
             raise BadInput(problem(f"{path}: expected.{source}.tree", "a 40-hex git tree id", repr(tree),
-                                   "record the built tree with ./build.sh --only tree --accept"))
+                                   f"write the tree id there, or delete the [expected.{source}] table and record "
+                                   "the tree the series builds with ./build.sh --only tree --accept (the series "
+                                   "is read before it can accept anything)"))
         expected[source] = Expected(tree, str(table.get("verified", "")))
     ops = data.get("ops") or {}
     paths = ops.get("paths", [])
@@ -214,8 +216,8 @@ def check_mail_format(path: Path) -> None:
         head = fh.read(64 * 1024).decode("utf-8", "replace")
     lines = head.splitlines()
     first = lines[0] if lines else ""
-    fix = ("export it with git format-patch (commit the change in vllm/, then "
-           f"git -C vllm format-patch -1 -o {path.parent})")
+    fix = (f"move it out of {path.parent}, apply the change in vllm/ and commit it there, then "
+           "scripts/nox.sh -s patches -- new SHORT-NAME (it exports the commit as the next patch)")
     if not MAIL_FROM.match(first):
         raise BadInput(problem(f"{path}", "a mail-format patch whose first line is 'From <40-hex commit> ...'",
                                f"first line {first[:60]!r}", fix))

@@ -37,6 +37,17 @@ def resolve(s: Settings) -> str | None:
     return path
 
 
+def absent(s: Settings, why: str, command: str) -> BadInput:
+    """The refusal of a ``command`` that needs uv and has none (``why``). With ``UV=0`` the fix is to unset it:
+    the wrapper puts a uv on PATH but leaves ``UV=0`` as it is, so running it through the wrapper again would
+    end the same way."""
+    if s.uv == "0":
+        return BadInput(problem("uv", f"on ({why})", "UV=0, which turns uv off",
+                                f"unset UV (or point it at a uv), then {command} again"))
+    return BadInput(problem("uv", f"on PATH ({why})", "not found",
+                            f"run it as {command} (the wrapper brings the pinned uv), or point UV at a uv"))
+
+
 def find(root: Path = REPO_ROOT, env: Mapping[str, str] | None = None) -> str:
     """The uv to run, found as ``scripts/nox.sh`` finds it (keep the two in step): ``UV`` unless empty or ``0``,
     then ``uv`` on PATH, then the rig's own ``<root>/.rig/uv/uv``; where none is there, the pinned one is fetched

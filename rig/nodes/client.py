@@ -66,10 +66,26 @@ def identity(s: Settings, cards: int, ray: bool = False) -> dict:
     return out
 
 
+#: What makes a node's value the head's, for each value it reports: a build fixes the tree, not the cards.
+FIXES = {"tree": "run ./build.sh on the node from the head's commit (the same series)",
+         "ops_obj": "run ./build.sh on the node from the head's commit (the same series)",
+         "device": "set DEVICE as on the head",
+         "cards": "give the node as many cards as the head (CUDA_VISIBLE_DEVICES)",
+         "config": "point CKPT at the same checkpoint as the head's",
+         "ray": "install the head's Ray (./build.sh from the head's commit installs scripts/ray.lock)"}
+#: A rank the head has no place for: the two variables that count the places.
+RANK_FIX = "set the head's NODES on every node, and on each worker its own NODE_RANK from 1 to NODES-1"
+
+
 def differences(head: dict, node: dict) -> list[str]:
     """Each value the node reports that is not the head's, as 'what: head X, this node Y'."""
     return [f"{LABELS[k]}: head {head[k]}, this node {node.get(k, 'none')}" for k in LABELS
             if head.get(k) != node.get(k)]
+
+
+def fix(head: dict, node: dict) -> str:
+    """What makes the node's values the head's: one fix for each kind of difference, in the order of LABELS."""
+    return "; ".join(dict.fromkeys(FIXES[k] for k in LABELS if head.get(k) != node.get(k)))
 
 
 # -- talking to the registry ---------------------------------------------------------------------------------------
@@ -216,8 +232,8 @@ def join(v: Serve, ident: dict, address: str) -> None:
                                    f"{base}: {body.get('error')}", "set the same NODES_SECRET on every node"))
         if code in (400, 409):
             raise BadInput(problem(f"worker {v.node_rank} at the head {base}", "a place among the head's nodes, with "
-                                   "its build and checkpoint", f"a refusal: {body.get('error')}", "run ./build.sh "
-                                   "here from the head's commit, with its checkpoint and settings"))
+                                   "its build and checkpoint", f"a refusal: {body.get('error')}", body.get("fix") or
+                                   "make this node's build, checkpoint and settings the head's"))
         now = time.monotonic()
         if now - t0 > v.start_timeout:
             raise WorkFailed(problem(f"the head's registry at {base}", "an answer", f"none: it did not answer within "

@@ -68,7 +68,7 @@ class Registry:
     def __init__(self, nodes: int, head: dict, token: str, secret: str) -> None:
         self.nodes, self.head, self.token, self.secret = nodes, head, token, secret
         self.members: dict[int, dict] = {}
-        self.refused: dict[int, str] = {}
+        self.refused: dict[int, dict[str, str]] = {}  # rank -> why it was refused and the fix
         self.flags = {"go": False, "ready": False, "stop": False}
         self.lock = threading.Lock()
         self.used: dict[str, float] = {}  # signatures seen, until they would be too old anyway
@@ -97,13 +97,15 @@ class Registry:
         rank = body["rank"]
         if not 0 < rank < self.nodes:
             return 400, {"error": f"NODE_RANK: expected 1 to {self.nodes - 1} (NODES={self.nodes} at the head), "
-                                  f"found {rank}"}
-        diff = client.differences(self.head, body.get("identity") or {})
+                                  f"found {rank}", "fix": client.RANK_FIX}
+        node = body.get("identity") or {}
+        diff = client.differences(self.head, node)
         with self.lock:
             if diff:
-                self.refused[rank] = "; ".join(diff)
-                return 409, {"error": f"node {rank} ({body.get('address')}) differs from the head: "
-                                      f"{'; '.join(diff)}"}
+                why, fix = "; ".join(diff), client.fix(self.head, node)
+                self.refused[rank] = {"why": why, "fix": fix}
+                return 409, {"error": f"node {rank} ({body.get('address')}) differs from the head: {why}",
+                             "fix": fix}
             self.refused.pop(rank, None)
             now = time.time()
             self.members[rank] = {"address": body.get("address", ""), "joined": now, "beat": now,
@@ -317,9 +319,7 @@ def wait_for_workers(v: Serve, role: Role) -> None:
         code, st = call(role.url, "/state", secret=role.secret)
         if code == 200:
             if st["refused"]:
-                raise BadInput("; ".join(problem(f"node {r}", "the head's build and checkpoint", m, "run ./build.sh "
-                                                 "on that node from the same commit, with the same checkpoint "
-                                                 "(nox -s verify installs the head's artifacts/)")
+                raise BadInput("; ".join(problem(f"node {r}", "the head's build and checkpoint", m["why"], m["fix"])
                                          for r, m in sorted(st["refused"].items())))
             joined = {int(r) for r in st["members"]}
             if want <= joined:
@@ -390,7 +390,7 @@ def node_lines(role: Role) -> tuple[bool, list[str]]:
         m = st["members"].get(str(r))
         if m is None:
             ok = False
-            lines.append(f"node {r}: not joined" + (f" (refused: {st['refused'][str(r)]})" if str(r) in
+            lines.append(f"node {r}: not joined" + (f" (refused: {st['refused'][str(r)]['why']})" if str(r) in
                                                      st["refused"] else ""))
             continue
         age = st["now"] - m["beat"]

@@ -67,7 +67,8 @@ def of_build(s: Settings, rec: BuildRecord) -> KernelTarget:
     """The target of this tree (the build record) and venv, for ``ARCH``."""
     if rec.tree is None or not rec.tree.ops_obj:
         raise _missing(f"{path(s.record_dir, s.device)}: the tree step's ops_obj")
-    if rec.toolchain is None or not rec.toolchain.torch_cuda:
+    cpu = s.device == "cpu"
+    if rec.toolchain is None or not (cpu or rec.toolchain.torch_cuda):  # a CPU build's torch may have no CUDA
         raise _missing(f"{path(s.record_dir, s.device)}: the toolchain step's torch_cuda")
     minor = venvs.minor(s.venv_dir)
     if minor is None:
@@ -75,7 +76,6 @@ def of_build(s: Settings, rec: BuildRecord) -> KernelTarget:
     torch = venvs.torch_version(s.venv_dir)  # "host 2.11.0+cu130" on the TORCH=host route
     if torch is None:
         raise BadInput(problem(f"torch in {s.venv_dir}", "installed", "none", f"run {FIRST} first"))
-    cpu = s.device == "cpu"
     listed = _expected(s, rec)
     return KernelTarget(device=s.device, ops_obj=rec.tree.ops_obj, arch=platform.machine() if cpu else s.arch,
                         python=f"{minor[0]}.{minor[1]}",

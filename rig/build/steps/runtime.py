@@ -26,6 +26,7 @@ from rig.build import bundle
 from rig.build.steps.base import Context, Status, Step
 from rig.facts import record
 from rig.facts.config import Settings
+from rig.facts.uv import absent as uv_absent
 
 PLATFORM = "x86_64-manylinux_2_28"
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
@@ -225,7 +226,7 @@ def _install_error(tail: list[str], lock: Lock) -> BadInput | None:
         return BadInput(problem(f"{m[2]}=={m[3]} of {lock.path.name}", "a pin this venv's Python can install",
                                 f"it requires another Python than {m[1]}",
                                 "point PYTHON at an interpreter of the lock's Python (the '# python:' line of "
-                                "scripts/runtime.lock), or make a lock for this one with nox -s lock"))
+                                "scripts/runtime.lock; nox -s lock resolves for that Python only)"))
     m = re.search(r"there is no version of (\S+?)(?:\s|,|$)", text) or re.search(
         r"No matching distribution found for (\S+)", text)
     if m:
@@ -239,9 +240,7 @@ def make_lock(s: Settings, uv: str | None, out: Path, inputs: list[str], python:
     """``nox -s lock``: resolve ``inputs`` for CPython ``python`` on manylinux x86_64, hashed (within the pins of
     ``constraint``, when given); return pin count."""
     if not uv:
-        raise BadInput(problem("uv", "on PATH (nox -s lock resolves with uv pip compile)", "not found or UV=0",
-                               "run it as scripts/nox.sh -s lock (the wrapper brings the pinned uv), or point UV at "
-                               "a uv"))
+        raise uv_absent(s, "nox -s lock resolves with uv pip compile", "scripts/nox.sh -s lock")
     src = out.with_suffix(".in")
     atomic.write_text(src, f"# The inputs of {out.name} (nox -s lock).\n" + "\n".join(inputs) + "\n")
     cmd = [uv, "pip", "compile", "--quiet", "--generate-hashes", "--no-header", "--no-annotate",

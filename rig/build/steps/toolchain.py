@@ -132,7 +132,9 @@ class ToolchainStep(Step):
         tc = venvs.torch_cuda(s.venv_dir)
         if tc is None:
             raise BadInput(problem(f"torch in {s.venv_dir}", "a CUDA build of torch (torch/version.py cuda = X.Y)",
-                                   "no CUDA torch", "run ./build.sh --only runtime (the lock pins the CUDA build)"))
+                                   "no CUDA torch", "with TORCH=host, point PYTHON at an interpreter whose torch is a "
+                                   "CUDA build (or unset TORCH: the lock pins one); else ./build.sh --only runtime "
+                                   "installs the lock's again"))
         return tc
 
     def check(self, ctx: Context) -> Status:

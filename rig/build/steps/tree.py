@@ -90,7 +90,8 @@ class TreeStep(Step):
                 raise BadInput(problem(
                     f"{s.vllm_dir}", "no local edits, since the series would change the tree",
                     f"{len(edits)} change(s): {_listed(edits)}",
-                    "export your commits as patches (git -C vllm format-patch), or discard them "
+                    "keep them as patches (commit them in vllm/, then scripts/nox.sh -s patches -- new "
+                    "SHORT-NAME exports the commits and records the tree), or discard them "
                     + (f"(git -C vllm reset --hard {rec.head})" if rec else "(move vllm/ away)")
                     + "; nothing was touched"))
         built = worktree.build(s, sr, files, repo, rec, ctx.options.accept)
