@@ -264,23 +264,31 @@ def ops_env(tmp_path, series, rig_env, real_venv, fixture_wheel):
 
 
 @pytest.fixture(scope="session")
-def fresh(tmp_path_factory):
-    """./build.sh in the repository's files as a fresh clone has them (tracked and new), no build output yet:
-    the real CUDA build of test_real_build.py, which test_real_cpu.py builds the CPU target beside."""
-    dest = checkout_copy(tmp_path_factory.mktemp("fresh") / "rig")
+def checkout(tmp_path_factory) -> Path:
+    """The repository's files as a fresh clone has them (tracked and new), no build output yet: the one copy the
+    session's real builds and engines share. The lane ``serve`` (rig/base/testlanes.py) serves on the CPU only:
+    its copy never makes the CUDA build, which it does not need."""
+    return checkout_copy(tmp_path_factory.mktemp("fresh") / "rig")
+
+
+@pytest.fixture(scope="session")
+def fresh(checkout):
+    """./build.sh in the fresh copy: the real CUDA build of test_real_build.py, which test_real_cpu.py builds the
+    CPU target beside."""
+    dest = checkout
     env = build_env()
     r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
     return dest, r, env
 
 
 @pytest.fixture(scope="session")
-def cpu_build(fresh):
-    """The fresh copy's first ``DEVICE=cpu ./build.sh``, beside its CUDA build: made once, by whichever test needs
-    it first (tests/test_real_cpu.py reads what this first build printed; the PLE tests serve on it). Python writes
-    no bytecode in its processes (``PYTHONDONTWRITEBYTECODE=1``, as some boxes set): the build's import check writes
-    the engine's anyway, which the engines of the benchmarks started on this copy then read."""
-    dest, cuda, env = fresh
-    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
+def cpu_build(checkout):
+    """The fresh copy's first ``DEVICE=cpu ./build.sh`` (or a no-op one, after ``./start.sh --demo`` built it):
+    made once, by whichever test needs it first (tests/test_real_cpu.py, which asks for the CUDA build first,
+    reads what this first build printed beside it; the PLE tests serve on it). Python writes no bytecode in its
+    processes (``PYTHONDONTWRITEBYTECODE=1``, as some boxes set): the build's import check writes the engine's
+    anyway, which the engines of the benchmarks started on this copy then read."""
+    dest, env = checkout, build_env()
     cpu_env = {**env, "DEVICE": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
     r = subprocess.run([str(dest / "build.sh")], cwd=dest, env=cpu_env, capture_output=True, text=True,
                        timeout=3600)

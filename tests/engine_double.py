@@ -154,15 +154,28 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
                 State.accepted += 1
                 hang = hang_after is not None and State.accepted > hang_after
             streamed = bool(body.get("stream"))
+            finished = []
+
+            def finish(tokens: int) -> None:
+                """The request leaves the engine's counts before its answer's last bytes leave, as in vLLM (the
+                engine finishes it, then the API server sends it): a sample taken once the answer is read never
+                sees it pending."""
+                if not finished:
+                    finished.append(True)
+                    with State.lock:
+                        State.busy -= 1
+                        State.generated += tokens
+
             try:
                 if hang:
                     threading.Event().wait()  # never answered: pending for good, no token, like a hung EngineCore
                 if prefill:
                     time.sleep(prompt / prefill)
                 if streamed:
-                    self._stream(body, n, prompt)
+                    self._stream(body, n, prompt, finish)
                 else:
                     time.sleep(n / pace)
+                    finish(n)
                     logprob = float("nan") if mode == "nan" else -0.25
                     lp = {"logprobs": {"content": [{"token": " Paris", "logprob": logprob}] * n}} \
                         if body.get("logprobs") else {}
@@ -173,11 +186,9 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
                                      "usage": {"prompt_tokens": prompt, "completion_tokens": n,
                                                "total_tokens": prompt + n}})
             finally:
-                with State.lock:
-                    State.busy -= 1
-                    State.generated += 0 if streamed else n  # a stream counts each token as it goes
+                finish(0)  # a failed write, say: the request is no longer pending either way
 
-        def _stream(self, body: dict, n: int, prompt: int) -> None:
+        def _stream(self, body: dict, n: int, prompt: int, finish) -> None:  # noqa: ANN001 - the closure above
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
@@ -195,6 +206,7 @@ def handler_for(args: argparse.Namespace, mode: str, pace: float, prefill: float
                 with State.lock:
                     State.generated += 1
                 chunk({**base, "choices": [{"index": 0, "delta": {"content": " Paris"}, "token_ids": [i]}]})
+            finish(0)  # a stream counted each token as it went
             chunk({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
             if (body.get("stream_options") or {}).get("include_usage"):
                 chunk({**base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n,

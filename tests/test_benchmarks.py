@@ -35,7 +35,8 @@ HELPERS = {"timing.py"}
 @dataclass(frozen=True)
 class Bench:
     lines: tuple[str, ...]  # a regex per figure line the quick run must print
-    needs: str = ""  # "": nothing built; "sdist", "venv": the real sdist, venv; "rig", "cpu": the built fresh copy
+    needs: str = ""  # "": nothing built; "sdist", "venv": the real sdist, venv; the built fresh copy: "rig" its
+    # CUDA build, "cpu" its CPU build, "both" the two
     args: tuple[str, ...] = ()
     timeout: float = 600
     marks: tuple = ()  # beyond slow, which every run that needs something built has
@@ -60,7 +61,7 @@ BENCHMARKS = {
     "device_switch.py": Bench((rf"^\(a\) .*./build.sh \(CUDA\) of .*\| ratio {X} the CUDA build",
                                rf"^\(b\) no-op DEVICE=cpu ./build.sh, median of 1: .* \({X}\)  \| no-op ./build.sh "
                                rf"\(CUDA\): .* \({X}\)",
-                               r"^\(c\) DEVICE switched back and forth: .*\| steps run: 0 .*: 0 of \d+"), "cpu",
+                               r"^\(c\) DEVICE switched back and forth: .*\| steps run: 0 .*: 0 of \d+"), "both",
                               timeout=1200),
     "demo_start.py": Bench((rf"^\(a\) making the demo model: .*\| ratio {X}",
                             rf"^\(b\) no-op ./start.sh --demo --dry-run, median of 1: .*\| ratio {X}",
@@ -149,7 +150,7 @@ def test_every_benchmark_imports_and_has_a_quick_mode(name):
     r = subprocess.run([sys.executable, str(BENCH / name), "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--quick" in r.stdout
-    if BENCHMARKS[name].needs in ("rig", "cpu"):
+    if BENCHMARKS[name].needs in ("rig", "cpu", "both"):
         assert "--rig" in r.stdout  # CI hands it the copy it built
 
 
@@ -197,8 +198,10 @@ def test_the_benchmark_runs_in_quick_mode_and_prints_its_ratios(name, request):
         r, env, _ = request.getfixturevalue("real_venv")
         assert r.code == 0, r.text[-3000:]
         args += ["--venv-dir", env["VENV_DIR"], "--state", env["RIG_STATE"]]
-    elif b.needs in ("rig", "cpu"):
-        if b.needs == "cpu":
+    elif b.needs in ("rig", "cpu", "both"):
+        if b.needs == "both":
+            request.getfixturevalue("fresh")
+        if b.needs in ("cpu", "both"):
             rig, env = request.getfixturevalue("cpu_built")
         else:
             rig, r, env = request.getfixturevalue("fresh")

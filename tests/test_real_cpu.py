@@ -18,7 +18,7 @@ from test_artifacts import verify_cli
 from rig.build.kernels.target import of_build
 from rig.facts import config, record
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh")]  # the CUDA build first: the CPU one beside it
 
 
 def test_cpu_build_sits_beside_the_cuda_build(cpu_build):

