@@ -81,7 +81,8 @@ VARS: tuple[Var, ...] = (
     Var("UV", "unset", "Unset: use `uv` from PATH for the venv; `0`: refuse uv; a path: use that uv.", text, "uv",
         derived=True),
     Var("FETCH", "0", "`1` fetches the upstream base again and re-applies the series.", flag, "fetch"),
-    Var("PACK", "1", "`0` skips step 8, the kernel pack (same as `--no-pack`).", flag, "pack"),
+    Var("PACK", "1", "`0` skips step 8, the kernel pack, in `./build.sh` (same as `--no-pack`); `nox -s pack` "
+        "packs anyway.", flag, "pack"),
     Var("CCACHE_DIR", "ccache's own", "Where ccache keeps compiled objects.", text, "ccache_dir", derived=True),
     Var("PIP_CACHE_DIR", "`~/.cache/pip`", "pip's own wheel cache, which the venv installs reuse (the venv step "
         "names it).", text, "pip_cache", derived=True),
