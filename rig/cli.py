@@ -135,9 +135,9 @@ def _steps(what: str, only: list[str] | None = None) -> Callable[[Args], int]:
         s = slots.settings()
         if getattr(a, "pre_start", False) and _use("update").switched_build(s, os.environ):
             return 0
-        named = "pack" in (only or a.only or [])  # the pack asked for by name packs: PACK=0 is ./build.sh's
+        asked = what == "pack"  # nox -s pack packs: PACK=0 and --no-pack are the build's (./build.sh)
         opts = pipeline.Options(force=a.force, accept=getattr(a, "accept", False), verify=getattr(a, "verify", False),
-                                pack=named or (not getattr(a, "no_pack", False) and s.pack))
+                                pack=asked or (not getattr(a, "no_pack", False) and s.pack))
         with _use("buildlock").BuildLock(s, what):
             pipeline.run(_use("steps.order").steps(), s, opts, only or a.only)
         return 0

@@ -277,6 +277,10 @@ def test_pack_once_then_current_then_repacked_without_compiling(series, ops_env,
     assert len(logs(tmp_path)) == n_logs
     skipped = run_rig({**env, "PACK": "0"}, "build", "--only", "pack")
     assert "skipped (--no-pack or PACK=0)" in skipped.out
+    (tmp_path / "artifacts" / "ops.sha256").unlink()
+    packed = run_rig({**env, "PACK": "0"}, "pack")  # nox -s pack: PACK=0 is the build's, this packs
+    assert packed.code == 0 and "ops.sha256 is missing" in packed.out, packed.out
+    assert (tmp_path / "artifacts" / "ops.sha256").is_file()
     # a tarball swapped for another valid one of the same kernels: not the one this build packed
     other = tmp_path / "other"
     from rig.build import artifacts

@@ -119,3 +119,32 @@ def test_a_venv_python_named_by_python_gives_its_base(tmp_path):
     python, _ = venv.find_python(config.settings({**env, "PYTHON": inner}), shutil.which("uv"))
     assert not Path(os.path.realpath(python)).is_relative_to(tmp_path / ".venv")
     assert venv.probe(python)[0] == (3, 13)
+
+
+def test_a_new_build_borrows_the_serving_builds_bytecode_for_the_files_they_share(tmp_path):
+    """An update's new venv links the serving venv's bytecode where the source is the same file (uv links both
+    from its cache): Python then loads it, naming the new venv's file. Another file of the same size, written in
+    the same second, is not linked: Python's own check (size and mtime) would take the wrong bytecode."""
+    import py_compile
+
+    from rig.base import venvs
+
+    src, dst = tmp_path / "serving", tmp_path / "new"
+    sp = {v: v / "lib" / "python3.13" / "site-packages" / "pkg" for v in (src, dst)}
+    for d in sp.values():
+        d.mkdir(parents=True)
+    (sp[src] / "same.py").write_text("def where():\n    return where.__code__.co_filename\n")
+    (sp[src] / "changed.py").write_text("X = 1\n")
+    os.link(sp[src] / "same.py", sp[dst] / "same.py")  # as uv links a wheel's file into each venv
+    (sp[dst] / "changed.py").write_text("X = 2\n")
+    for name in ("same", "changed"):
+        py_compile.compile(str(sp[src] / f"{name}.py"), doraise=True)
+    assert venvs.borrow_bytecode(src, dst) == 1
+    assert [p.name.split(".")[0] for p in (sp[dst] / "__pycache__").iterdir()] == ["same"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    r = subprocess.run([sys.executable, "-v", "-c", "import pkg.same as m; print(m.where())"], env={
+        **env, "PYTHONPATH": str(sp[dst].parent)}, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"code object from '{sp[dst] / '__pycache__'}" in r.stderr  # the borrowed file was read, not compiled
+    assert r.stdout.strip() == str(sp[dst] / "same.py")
+    assert venvs.borrow_bytecode(src, dst) == 0  # already there: nothing linked twice

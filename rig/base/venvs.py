@@ -160,3 +160,31 @@ def installed_vllm(venv: Path, tree: Path) -> tuple[str | None, str]:
     if url != Path(tree).resolve().as_uri():
         return version, f"vllm in the venv is installed from {url}, not {Path(tree).resolve().as_uri()}"
     return version, ""
+
+
+def borrow_bytecode(src: Path, dst: Path) -> int:
+    """Hard-link ``src``'s bytecode into ``dst`` for each module whose source file is the very same file in both
+    (one inode: uv links both venvs' files from its cache); the number linked. A new build's import check then
+    compiles only what changed, not the few thousand modules of torch and vLLM's dependencies again. Python
+    still checks each bytecode file against its source before it uses it, and names the importing venv's file
+    in its code objects; a rewrite replaces a file (a new inode), never the shared one. Where uv copied instead
+    of linking, nothing is borrowed and the check compiles as before."""
+    src_sp, dst_sp = site_packages(src), site_packages(dst)
+    linked = 0
+    for cache in src_sp.rglob("__pycache__"):
+        rel = cache.parent.relative_to(src_sp)
+        if not (dst_sp / rel).is_dir():
+            continue
+        for pyc in cache.glob("*.pyc"):
+            name = pyc.name.split(".", 1)[0] + ".py"
+            out = dst_sp / rel / "__pycache__" / pyc.name
+            try:
+                a, b = (src_sp / rel / name).stat(), (dst_sp / rel / name).stat()
+                if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) or out.exists():
+                    continue
+                out.parent.mkdir(exist_ok=True)
+                os.link(pyc, out)
+                linked += 1
+            except OSError:  # a source file gone, another file system: that module is compiled as it would be
+                continue
+    return linked

@@ -144,7 +144,7 @@ def update(env: Mapping[str, str], engine: Engine, *, force: bool = False) -> in
         t0 = time.monotonic()
         try:
             with BuildLock(ns, "update"):
-                pipeline.run(steps(), ns, pipeline.Options(pack=s.pack))
+                pipeline.run(steps(), ns, pipeline.Options(pack=s.pack, bytecode_from=current.venv_dir))
         except RigError as exc:
             slots.remove(new)
             raise WorkFailed(problem("the update's build", "a complete build", exc.message, "fix what it names "

@@ -39,6 +39,7 @@ class Options:
     accept: bool = False
     verify: bool = False
     pack: bool = True
+    bytecode_from: Path | None = None  # an update's: the serving build's venv, whose bytecode the new one borrows
 
 
 @dataclass

@@ -273,6 +273,9 @@ class InstallStep(Step):
             if wrong:
                 raise WorkFailed(problem(f"vllm in {s.venv_dir} after the reinstall", f"vllm {ops.version} from "
                                          f"{s.vllm_dir}", wrong, f"remove {s.venv_dir} and run ./build.sh"))
+        if (src := ctx.options.bytecode_from) is not None and src != s.venv_dir:
+            say(f"bytecode: {venvs.borrow_bytecode(src, s.venv_dir)} module(s) the serving build ({src}) compiled, "
+                "linked for the import check to read")
         leave_out: set[str] = set()
         if s.torch == "host" and s.device == "cuda":
             line, leave_out = host_torch_check(s, rec, ctx.series,
