@@ -66,9 +66,9 @@ def identity(s: Settings, cards: int, ray: bool = False) -> dict:
     return out
 
 
+_BUILD_FIX = "run ./build.sh on the node from the head's commit (the same series)"
 #: What makes a node's value the head's, for each value it reports: a build fixes the tree, not the cards.
-FIXES = {"tree": "run ./build.sh on the node from the head's commit (the same series)",
-         "ops_obj": "run ./build.sh on the node from the head's commit (the same series)",
+FIXES = {"tree": _BUILD_FIX, "ops_obj": _BUILD_FIX,
          "device": "set DEVICE as on the head",
          "cards": "give the node as many cards as the head (CUDA_VISIBLE_DEVICES)",
          "config": "point CKPT at the same checkpoint as the head's",
